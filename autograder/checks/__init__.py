@@ -1,0 +1,1 @@
+"""One check module per assignment; each is a pytest file run by :func:`autograder.harness.run_checks`."""

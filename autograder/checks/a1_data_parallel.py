@@ -1,0 +1,291 @@
+"""Checks for Assignment 1: data parallel from scratch.
+
+Graded functions (see the notebook for their specifications): ``copy_params``, ``allreduce``,
+``split_batch``, ``split_batch_weighted``, ``train_batch``, and the speedup of ``train_batch``
+on two GPUs. Each ``probe_*`` runs in the sandbox beside the student's code; each ``test_*``
+runs here, makes fresh random inputs, and judges what the probe returned.
+"""
+from __future__ import annotations
+
+import torch
+
+from autograder.harness import graded, skip_unless
+from autograder.probing import (assert_close, describe, fresh_generator, sequence,
+                                reference_helpers, student_function, tensor)
+from autograder.speedup import judge, median, reference_cells, reference_speedup, timed_calls
+from course.devices import gpu_count
+from course.models import lenet, lenet_params, loss
+
+ASSIGNMENT = "a1_data_parallel"
+
+
+def devices_for(n: int) -> list[str]:
+    """``n`` devices: distinct GPUs where there are enough, else CPU stand-ins."""
+    return [f"cuda:{i}" for i in range(n)] if gpu_count() >= n else ["cpu"] * n
+
+
+# ---------------------------------------------------------------------------- copy_params
+
+def probe_copy_params(ns, params, device):
+    fn = student_function(ns, "copy_params", ["params", "device"])
+    before = [p.clone() for p in params]
+    out = fn(params, torch.device(device))
+    items = list(out) if isinstance(out, (list, tuple)) else None
+    shares = ([any(type(o) is torch.Tensor and o.untyped_storage().data_ptr()
+                   == p.untyped_storage().data_ptr() for p in params) for o in items]
+              if items is not None else [])
+    return {"out": describe(out), "shares_input_storage": shares,
+            "inputs_unchanged": all(torch.equal(a, b) for a, b in zip(before, params)),
+            "inputs_requires_grad": [p.requires_grad for p in params]}
+
+
+def _check_copy(student, device, dtype):
+    g, seed = fresh_generator()
+    params = [torch.randn(*s, generator=g).to(dtype) for s in [(4, 3), (3,), (2, 2, 2)]]
+    r = student.call(probe_copy_params, params, device)
+    items = sequence(r["out"], "copy_params(...)", len(params))
+    for i, (item, p) in enumerate(zip(items, params)):
+        t = tensor(item, f"copy_params(...)[{i}]")
+        assert t["device"] == device, f"copy_params(...)[{i}] is on {t['device']}, expected {device}"
+        assert t["requires_grad"], f"copy_params(...)[{i}] should have requires_grad=True"
+        assert_close(t["value"], p, f"copy_params(...)[{i}]", rtol=0, atol=0, seed=seed)
+    assert not any(r["shares_input_storage"]), \
+        "copy_params must return new tensors, not the inputs themselves (use .clone())"
+    assert r["inputs_unchanged"], "copy_params changed the values of its inputs"
+    assert not any(r["inputs_requires_grad"]), "copy_params set requires_grad on its inputs"
+
+
+@graded("copy_params", points=1)
+def test_copy_params_values_device_grad(student):
+    _check_copy(student, devices_for(1)[0], torch.float32)
+
+
+@graded("copy_params", points=1)
+def test_copy_params_new_tensors_inputs_untouched(student):
+    _check_copy(student, "cpu", torch.float64)
+    if gpu_count() >= 2:
+        _check_copy(student, "cuda:1", torch.float32)
+
+
+# ---------------------------------------------------------------------------- allreduce
+
+def probe_allreduce(ns, data):
+    fn = student_function(ns, "allreduce", ["data"])
+    originals = list(data)
+    fn(data)
+    return {"tensors": [describe(t) for t in originals]}
+
+
+def _check_allreduce(student, shapes_and_devices, dtype):
+    g, seed = fresh_generator()
+    data = []
+    for shape, device in shapes_and_devices:
+        t = torch.randn(shape, generator=g, dtype=torch.float64)
+        t = (t * 10).round().to(dtype) if not dtype.is_floating_point else t.to(dtype)
+        data.append(t.to(device))
+    expected = sum(t.cpu() for t in data)
+    r = student.call(probe_allreduce, data)
+    for i, (desc, (shape, device)) in enumerate(zip(r["tensors"], shapes_and_devices)):
+        t = tensor(desc, f"data[{i}] after allreduce")
+        assert t["device"] == device, \
+            f"data[{i}] moved from {device} to {t['device']}; it must stay on its device"
+        assert_close(t["value"], expected, f"data[{i}] after allreduce", seed=seed)
+
+
+@graded("allreduce", points=1)
+def test_allreduce_two_devices(student):
+    devices = devices_for(2)
+    _check_allreduce(student, [((5, 7), d) for d in devices], torch.float32)
+
+
+@graded("allreduce", points=1)
+def test_allreduce_one_and_many_devices(student):
+    for n in (1, 3, 4):
+        _check_allreduce(student, [((6,), d) for d in devices_for(n)], torch.float32)
+
+
+@graded("allreduce", points=1)
+def test_allreduce_dtypes_and_shapes(student):
+    devices = devices_for(3)
+    _check_allreduce(student, [((2, 3, 4), d) for d in devices], torch.float64)
+    _check_allreduce(student, [((9,), d) for d in devices], torch.int64)
+    _check_allreduce(student, [((), d) for d in devices], torch.float32)
+
+
+# ---------------------------------------------------------------------------- split_batch
+
+def probe_split(ns, name, X, y, devices, *extra):
+    params = ["X", "y", "devices"] + (["weights"] if extra else [])
+    fn = student_function(ns, name, params)
+    X0, y0 = X.clone(), y.clone()
+    out = fn(X, y, [torch.device(d) for d in devices], *extra)
+    return {"out": describe(out), "inputs_unchanged": torch.equal(X, X0) and torch.equal(y, y0)}
+
+
+def _check_split(student, name, batch, devices, sizes, weights=()):
+    g, seed = fresh_generator()
+    X = torch.randn(batch, 1, 4, 4, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    r = student.call(probe_split, name, X, y, devices, *weights)
+    pair = sequence(r["out"], f"{name}(...)", 2)
+    xs = sequence(pair[0], f"{name}(...)[0] (the X shards)", len(devices))
+    ys = sequence(pair[1], f"{name}(...)[1] (the y shards)", len(devices))
+    got = []
+    for i, (xd, yd, dev) in enumerate(zip(xs, ys, devices)):
+        xt, yt = tensor(xd, f"X shard {i}"), tensor(yd, f"y shard {i}")
+        assert xt["device"] == dev and yt["device"] == dev, \
+            f"shard {i} is on {xt['device']}/{yt['device']}, expected {dev}"
+        assert xt["value"].shape[0] == yt["value"].shape[0], \
+            f"shard {i}: X has {xt['value'].shape[0]} examples but y has {yt['value'].shape[0]}"
+        got.append(xt["value"].shape[0])
+    assert got == sizes, (f"{name} with batch {batch} over {len(devices)} device(s)"
+                          f"{' and weights ' + str(list(weights[0])) if weights else ''} "
+                          f"gave shard sizes {got}, expected {sizes}")
+    assert_close(torch.cat([tensor(d, "X shard")["value"] for d in xs]), X,
+                 f"the X shards, concatenated in device order", rtol=0, atol=0, seed=seed)
+    assert_close(torch.cat([tensor(d, "y shard")["value"] for d in ys]), y,
+                 f"the y shards, concatenated in device order", rtol=0, atol=0, seed=seed)
+    assert r["inputs_unchanged"], f"{name} changed its inputs"
+
+
+def even_sizes(batch: int, n: int) -> list[int]:
+    """Like ``torch.tensor_split``: the first ``batch % n`` shards get one more."""
+    return [batch // n + (1 if i < batch % n else 0) for i in range(n)]
+
+
+@graded("split_batch", points=1)
+def test_split_batch_even(student):
+    for n, batch in ((2, 16), (4, 8), (1, 5)):
+        _check_split(student, "split_batch", batch, devices_for(n), even_sizes(batch, n))
+
+
+@graded("split_batch", points=1)
+def test_split_batch_uneven(student):
+    for n, batch in ((2, 9), (3, 10), (4, 7)):
+        _check_split(student, "split_batch", batch, devices_for(n), even_sizes(batch, n))
+
+
+# (weights, batch, expected sizes), worked out by hand from the notebook's rule: quotas
+# batch * w / sum(w), integer parts first, leftovers to the largest remainders, ties earlier.
+WEIGHTED_PROPORTIONAL = [([2, 1], 30, [20, 10]), ([3, 1], 10, [8, 2]),
+                         ([0.5, 0.25, 0.25], 12, [6, 3, 3]), ([1, 3], 9, [2, 7])]
+WEIGHTED_ROUNDING = [([1, 1, 1], 10, [4, 3, 3]), ([1, 2, 2], 11, [2, 5, 4]),
+                     ([5, 3, 2], 7, [4, 2, 1]), ([1, 1], 1, [1, 0]), ([2, 1, 1], 5, [3, 1, 1])]
+
+
+@graded("split_batch_weighted", points=1)
+def test_split_batch_weighted_proportional(student):
+    for weights, batch, sizes in WEIGHTED_PROPORTIONAL:
+        _check_split(student, "split_batch_weighted", batch, devices_for(len(weights)),
+                     sizes, (weights,))
+
+
+@graded("split_batch_weighted", points=1)
+def test_split_batch_weighted_rounding(student):
+    for weights, batch, sizes in WEIGHTED_ROUNDING:
+        _check_split(student, "split_batch_weighted", batch, devices_for(len(weights)),
+                     sizes, (weights,))
+
+
+# ---------------------------------------------------------------------------- train_batch
+# train_batch is graded on its own: where the reference solution is at hand (the instructor's
+# repository), its split_batch and allreduce stand in for the student's, so a bug there costs
+# the points of that function only. The student edition has no reference and uses the
+# student's own.
+
+def probe_train_batch(ns, X, y, params, devices, lr, helper_cells):
+    fn = student_function(ns, "train_batch", ["X", "y", "device_params", "devices", "lr"])
+    devs = [torch.device(d) for d in devices]
+    replicas = [[p.detach().clone().to(d).requires_grad_() for p in params] for d in devs]
+    with reference_helpers(fn, helper_cells, ["split_batch", "allreduce"]):
+        fn(X.to(devs[0]), y.to(devs[0]), replicas, devs, lr)
+    grads = [[p.grad for p in r] for r in replicas]
+    grads_zero = all(gr is None or (type(gr) is torch.Tensor and not gr.any()) for r in grads for gr in r)
+    return {"replicas": [[describe(p) for p in r] for r in replicas], "grads_zero": grads_zero}
+
+
+def expected_sgd_step(X, y, params, lr):
+    """One SGD step of the trusted LeNet on the whole batch, on one device."""
+    ps = [p.detach().clone().requires_grad_() for p in params]
+    loss(lenet(X, ps), y).sum().backward()
+    with torch.no_grad():
+        return [p - lr * p.grad / X.shape[0] for p in ps]
+
+
+def _check_train(student, batch, n):
+    g, seed = fresh_generator()
+    params = lenet_params(scale=0.1, generator=g)
+    X = torch.rand(batch, 1, 28, 28, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    lr = 0.5
+    expected = expected_sgd_step(X, y, params, lr)
+    devices = devices_for(n)
+    r = student.call(probe_train_batch, X, y, params, devices, lr,
+                     reference_cells(ASSIGNMENT, ["setup", "split_batch", "allreduce"]))
+    for d, replica in enumerate(r["replicas"]):
+        for i, (desc, want) in enumerate(zip(replica, expected)):
+            t = tensor(desc, f"replica {d} parameter {i}")
+            assert t["device"] == devices[d], f"replica {d} parameter {i} moved to {t['device']}"
+            assert_close(t["value"], want, f"replica {d} parameter {i} after train_batch "
+                         f"(vs one SGD step on the whole batch)", rtol=1e-4, atol=1e-5, seed=seed)
+    first = [tensor(d, "parameter")["value"] for d in r["replicas"][0]]
+    for d, replica in enumerate(r["replicas"][1:], start=1):
+        for i, desc in enumerate(replica):
+            assert_close(tensor(desc, "parameter")["value"], first[i],
+                         f"replica {d} parameter {i} (vs replica 0)", rtol=0, atol=1e-6, seed=seed)
+    assert r["grads_zero"], "after train_batch every replica's gradients should be zero"
+
+
+@graded("train_batch", points=2)
+def test_train_batch_matches_single_device_sgd(student):
+    _check_train(student, 16, 2)
+
+
+@graded("train_batch", points=1)
+def test_train_batch_one_device(student):
+    _check_train(student, 8, 1)
+
+
+@graded("train_batch", points=1)
+def test_train_batch_three_devices_uneven_batch(student):
+    _check_train(student, 13, 3)
+
+
+# ---------------------------------------------------------------------------- speedup
+
+SPEEDUP_BATCH = 1024
+SPEEDUP_STEPS = 5
+
+
+def probe_train_steps(ns, n, batch, steps, seed):
+    """``steps`` calls of train_batch on ``n`` GPUs; synchronized; returns replica 0's first weight."""
+    fn = student_function(ns, "train_batch", ["X", "y", "device_params", "devices", "lr"])
+    g = torch.Generator().manual_seed(seed)
+    devs = [torch.device(f"cuda:{i}") for i in range(n)]
+    params = lenet_params(scale=0.1, generator=g)
+    replicas = [[p.to(d).requires_grad_() for p in params] for d in devs]
+    X = torch.rand(batch, 1, 28, 28, generator=g).to(devs[0])
+    y = torch.randint(0, 10, (batch,), generator=g).to(devs[0])
+    for _ in range(steps):
+        fn(X, y, replicas, devs, 0.1)
+    for d in devs:
+        torch.cuda.synchronize(d)
+    return {"first": replicas[0][0].detach().cpu()}
+
+
+def measure_two_vs_one(call) -> float:
+    """Median seconds of train_batch on 1 GPU / on 2 GPUs."""
+    one = timed_calls(call, probe_train_steps, 1, SPEEDUP_BATCH, SPEEDUP_STEPS, 0)
+    two = timed_calls(call, probe_train_steps, 2, SPEEDUP_BATCH, SPEEDUP_STEPS, 0)
+    return median(one) / median(two)
+
+
+@graded("train_batch_speedup", points=2, timeout=120, speedup=True)
+def test_train_batch_speedup_two_gpus(student):
+    skip_unless(gpu_count() >= 2,
+                f"needs 2 or more CUDA GPUs, this machine has {gpu_count()}: CPU stand-ins share "
+                "one CPU in one process, so splitting a batch over them cannot be faster")
+    mine = measure_two_vs_one(student.call)
+    _check_train(student, SPEEDUP_BATCH // 8, 2)  # the code that was timed must also be right
+    judge(mine, reference_speedup(ASSIGNMENT, measure_two_vs_one), 1.3,
+          "train_batch on 2 GPUs vs 1 at batch 1024")

@@ -1,0 +1,89 @@
+"""Device discovery that never pretends.
+
+With GPUs present, the lessons use them. Without, a lesson can ask for *stand-ins*: that many
+references to the CPU, so that code written for several devices still runs. A stand-in is
+labelled as such everywhere it is printed, because nothing run on stand-ins is faster for it:
+they all share the same CPU cores.
+"""
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+
+def gpu_count() -> int:
+    """Number of CUDA GPUs this process can see (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def available_devices(n: int | None = None, *, stand_ins: bool = True) -> list[torch.device]:
+    """Up to ``n`` devices to spread work over (all GPUs when ``n`` is None).
+
+    Without GPUs (or with fewer than ``n``) and ``stand_ins=True``, the list is padded with
+    CPU stand-ins: ``torch.device('cpu')`` repeated. Use :func:`describe` to print it honestly.
+    """
+    gpus = [torch.device(f"cuda:{i}") for i in range(gpu_count())]
+    if n is None:
+        return gpus or [torch.device("cpu")]
+    if len(gpus) >= n:
+        return gpus[:n]
+    if gpus and not stand_ins:
+        return gpus
+    if not stand_ins:
+        return [torch.device("cpu")]
+    # Never mix real GPUs with CPU stand-ins: a lesson with 1 GPU asking for 2 gets 2 stand-ins.
+    return [torch.device("cpu")] * n
+
+
+def is_stand_in(device: torch.device | str) -> bool:
+    """True for a CPU device used in place of a GPU."""
+    return torch.device(device).type == "cpu"
+
+
+def label(device: torch.device | str, index: int | None = None) -> str:
+    """A short name for printing: ``cuda:0 (NVIDIA H100)`` or ``cpu #1 (CPU stand-in for a GPU)``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    where = f"cpu #{index}" if index is not None else "cpu"
+    return f"{where} (CPU stand-in for a GPU)"
+
+
+def describe(devices: list[torch.device] | None = None) -> str:
+    """One line per device; says plainly when the devices are CPU stand-ins."""
+    devices = available_devices() if devices is None else devices
+    lines = [f"  {label(d, i)}" for i, d in enumerate(devices)]
+    head = f"{len(devices)} device(s):"
+    if any(is_stand_in(d) for d in devices):
+        head += (f" no GPU here, so {len(devices)} CPU stand-in(s) sharing "
+                 f"{os.cpu_count()} CPU core(s); expect no speedup from them")
+    return "\n".join([head, *lines])
+
+
+def hardware_summary() -> str:
+    """What a timing or a grade was measured on, for reports."""
+    cpu = f"{os.cpu_count()} CPU core(s) ({platform.machine()})"
+    n = gpu_count()
+    if n == 0:
+        return f"{cpu}, no CUDA GPU; torch {torch.__version__}"
+    names = sorted({torch.cuda.get_device_name(i) for i in range(n)})
+    return f"{cpu}, {n} CUDA GPU(s): {', '.join(names)}; torch {torch.__version__}"
+
+
+def synchronize(devices=None) -> None:
+    """Wait until every queued kernel on the given (or all) CUDA devices has finished.
+
+    CUDA calls return before the GPU is done; time measured without this is the time to
+    *queue* the work. A no-op on the CPU, whose operations finish before they return.
+    """
+    if not torch.cuda.is_available():
+        return
+    if devices is None:
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
+        return
+    for d in {torch.device(d) for d in devices}:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)

@@ -1,0 +1,171 @@
+"""Run a function on N processes, from a notebook or a script: ``launch(fn, world_size, ...)``.
+
+Why not ``torch.multiprocessing.spawn``? It pickles ``fn`` by reference, and a function
+defined in a notebook cell cannot be found again by name in a fresh process. Forking instead
+hangs when CUDA or torch's thread pool is already running. So :func:`launch`:
+
+1. serialises ``fn`` and its arguments *by value* with cloudpickle,
+2. starts ``world_size`` fresh Python processes (``python -m course.launch``), each with
+   ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set and a free port,
+3. in each, joins the default process group (NCCL with one GPU per process when there are
+   enough GPUs, else gloo on CPU processes, which stand in for GPUs) with a timeout, and calls
+   ``fn(rank, world_size, *args)``,
+4. prints every line a rank writes, prefixed ``[rank r]``, and returns the ranks' return values
+   in rank order; if any rank fails or the time runs out, it stops every other rank and raises.
+
+Scripts use ``torchrun --standalone --nproc-per-node N script.py`` instead (see the DDP lesson).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+
+class LaunchError(RuntimeError):
+    """A rank failed; the message holds the end of its output."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (``--master_port 0`` does not work)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend(world_size: int) -> str:
+    """NCCL when every rank can have its own GPU, gloo otherwise."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def device_for(rank: int) -> torch.device:
+    """The device rank ``rank`` should use: its own GPU under NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device(f"cuda:{rank % torch.cuda.device_count()}")
+    return torch.device("cpu")
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill a rank and everything it started."""
+    try:
+        import psutil
+
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+    except Exception:
+        pass
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def launch(fn, world_size: int, *args, backend: str | None = None, timeout: float = 300.0,
+           threads: int = 1, collective_timeout: float = 60.0, quiet: bool = False,
+           env: dict | None = None) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return their results.
+
+    ``threads``: torch threads per process (one each lets N CPU processes share N cores
+    fairly). ``collective_timeout``: seconds a collective may wait before the process group
+    gives up. ``timeout``: seconds for the whole run. ``quiet``: do not echo the ranks' output.
+    """
+    import cloudpickle
+
+    if world_size < 1:
+        raise ValueError("world_size must be >= 1")
+    backend = backend or default_backend(world_size)
+    if not quiet and backend == "gloo" and not torch.cuda.is_available():
+        print(f"[launch] {world_size} CPU process(es) on gloo, standing in for GPUs "
+              f"({os.cpu_count()} core(s), {threads} thread(s) each)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="launch-") as tmp:
+        Path(tmp, "payload.pkl").write_bytes(cloudpickle.dumps((fn, args)))
+        child_env = {**os.environ, **(env or {}),
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                     "WORLD_SIZE": str(world_size), "LAUNCH_BACKEND": backend,
+                     "LAUNCH_COLLECTIVE_TIMEOUT": str(collective_timeout),
+                     "OMP_NUM_THREADS": str(threads), "LAUNCH_THREADS": str(threads),
+                     "PYTHONUNBUFFERED": "1"}
+        procs, tails, readers = [], [], []
+        for rank in range(world_size):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "course.launch", tmp, str(rank)],
+                env={**child_env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            tail: list[str] = []
+            reader = threading.Thread(target=_pump, args=(proc, rank, tail, quiet), daemon=True)
+            reader.start()
+            procs.append(proc), tails.append(tail), readers.append(reader)
+        try:
+            failed = _wait(procs, timeout)
+        finally:
+            for proc in procs:
+                _kill(proc)
+            for reader in readers:
+                reader.join(timeout=5)
+        if failed == "timeout":
+            raise TimeoutError(f"launch: ranks still running after {timeout:.0f} s; all stopped")
+        if failed is not None:
+            rank, code = failed
+            raise LaunchError(f"rank {rank} exited with code {code}; its last lines:\n"
+                              + "".join(tails[rank][-20:]))
+        return [cloudpickle.loads(Path(tmp, f"result-{r}.pkl").read_bytes())
+                for r in range(world_size)]
+
+
+def _pump(proc, rank, tail, quiet):
+    for raw in iter(proc.stdout.readline, b""):
+        line = raw.decode(errors="replace")
+        tail.append(line)
+        del tail[:-200]
+        if not quiet:
+            sys.stdout.write(f"[rank {rank}] {line}")
+            sys.stdout.flush()
+
+
+def _wait(procs, timeout):
+    """None when every rank exited 0; (rank, code) for the first failure; 'timeout'."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0):
+                return rank, code
+        if all(code == 0 for code in codes):
+            return None
+        time.sleep(0.02)
+    return "timeout"
+
+
+def _worker(tmp: str, rank: int) -> None:
+    """Body of one rank: join the group, run the function, save its return value."""
+    import cloudpickle
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ.get("LAUNCH_THREADS", "1")))
+    world_size = int(os.environ["WORLD_SIZE"])
+    backend = os.environ["LAUNCH_BACKEND"]
+    fn, args = cloudpickle.loads(Path(tmp, "payload.pkl").read_bytes())
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    timeout = datetime.timedelta(seconds=float(os.environ["LAUNCH_COLLECTIVE_TIMEOUT"]))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        result = fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    Path(tmp, f"result-{rank}.pkl").write_bytes(cloudpickle.dumps(result))
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]))
