@@ -11,11 +11,25 @@ c.CourseDirectory.root = "."
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "assignments"
 c.CourseDirectory.db_assignments = [{"name": "a1_data_parallel"}]
+c.CourseDirectory.db_assignments += [{"name": "a3_model_pipeline"}]
 
 # Students see "raise NotImplementedError()" in their answer cells.
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
 
-# Autograding executes whole notebooks; the experiments run in their quick mode.
+# Autograding executes whole notebooks (the experiments run in their quick mode), then the
+# test cells' verdicts are replaced by an isolated grading run: nothing a student's cells do
+# in the kernel (redefining check, patching modules) can change them. See
+# autograder/nbgrader_plugin.py.
+from nbconvert.preprocessors import ClearMetadataPreprocessor  # noqa: E402
+from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, Execute,  # noqa: E402
+                                    IgnorePattern, LimitOutput, SaveAutoGrades)
+
+from autograder.nbgrader_plugin import DeferChecks, GradeInSandbox  # noqa: E402
+
+c.Autograde.autograde_preprocessors = [
+    DeferChecks, Execute, GradeInSandbox, IgnorePattern, ClearMetadataPreprocessor,
+    LimitOutput, SaveAutoGrades, AssignLatePenalties, CheckCellMetadata,
+]
 c.Execute.timeout = 300
 c.Execute.interrupt_on_timeout = True

@@ -29,6 +29,9 @@ def check(function: str, assignment: str | None = None, *, timeout: float = 600.
 
     from .assignments import for_function
 
+    if os.environ.get("AUTOGRADER_DEFER_CHECKS") == "1":
+        print(f"{function}: graded by nbgrader's isolated grading run after the notebook ran")
+        return None
     assignment = assignment or for_function(function)
     caller = inspect.currentframe().f_back.f_globals
     module = caller.get("__name__", "__main__")

@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from .harness import Report, run_checks
-    from .report import table, write_json
+    from .report import atomic_write, table, write_json
     from .submission import SubmissionError, load_submission
 
     if args.command == "grade":
@@ -42,8 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         except SubmissionError as exc:
             print(f"Cannot grade {args.notebook}: {exc}\nScore: 0")
             if args.json:
-                Path(args.json).write_text(json.dumps(
+                atomic_write(args.json, json.dumps(
                     {"score": 0, "output": f"Cannot grade this submission: {exc}", "tests": []}))
+            if args.report:
+                atomic_write(args.report, json.dumps(
+                    {"assignment": args.assignment, "score": 0, "max_score": 0,
+                     "error": str(exc), "results": []}))
             return 2
         report = run_checks(sub.assignment, sub.cells, only=args.only, problems=sub.problems)
     else:
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "json", None):
         write_json(report, args.json)
     if args.report:
-        Path(args.report).write_text(json.dumps(report.to_dict(), indent=2))
+        atomic_write(args.report, json.dumps(report.to_dict(), indent=2))
     return 0
 
 

@@ -68,7 +68,11 @@ class Student:
                 self._start()
             return self.sandbox.call(probe, *args, timeout=timeout or self.timeout)
         except SandboxError as exc:
-            raise AssertionError(str(exc)) from None
+            message = str(exc)
+            if "is not defined" in message:
+                for cell_id, err in self.sandbox.cell_errors.items():
+                    message += f"\n(cell {cell_id!r} failed while loading: {err.splitlines()[0]})"
+            raise AssertionError(message) from None
 
     def _start(self):
         try:

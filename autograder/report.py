@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from .harness import Report
@@ -51,5 +53,15 @@ def gradescope(report: Report) -> dict:
         "visibility": "visible", "stdout_visibility": "hidden"}
 
 
+def atomic_write(path: str | Path, text: str) -> None:
+    """Write via a temporary file and a rename: a symlink planted at ``path`` is replaced,
+    never followed, and a reader never sees half a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def write_json(report: Report, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(gradescope(report), indent=2))
+    atomic_write(path, json.dumps(gradescope(report), indent=2))

@@ -16,7 +16,8 @@ What the parent guarantees, whatever the student code does:
   and its output goes to a file of which only a bounded tail is ever read.
 - Where Linux user namespaces are available, the worker also runs in its own user, mount,
   network and PID namespaces: no network but its own loopback, ``solutions/`` hidden behind an
-  empty mount, and no view of the grader's processes.
+  empty mount, every file system read-only but its own work folder, no view of the grader's
+  processes, and every process it started dies with it.
 """
 from __future__ import annotations
 
@@ -40,10 +41,12 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT_TAIL_BYTES = 4000          # how much of the child's output a message may quote
 MAX_OUTPUT_FILE_BYTES = 64 << 20  # the child's output file may not grow past this
-DEFAULT_MAX_PROCESSES = 64
-DEFAULT_MAX_MEMORY_BYTES = 6 << 30
+DEFAULT_MAX_PROCESSES = int(os.environ.get("AUTOGRADER_MAX_PROCESSES", "64"))
+DEFAULT_MAX_MEMORY_BYTES = int(os.environ.get("AUTOGRADER_MAX_MEMORY_MB", "6144")) << 20
+#: Upper bound on any one call's timeout (seconds), e.g. to grade many submissions quickly.
+MAX_CALL_TIMEOUT = float(os.environ.get("AUTOGRADER_MAX_CALL_TIMEOUT", "inf"))
 _KEEP_ENV = ("PATH", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
-             "CUDA_HOME", "LD_LIBRARY_PATH", "COURSE_FULL", "TZ")
+             "CUDA_HOME", "LD_LIBRARY_PATH", "COURSE_FULL", "TZ", "AUTOGRADER_RUN_TAG")
 
 
 class SandboxError(Exception):
@@ -236,6 +239,7 @@ class Sandbox:
             cmd = [*_UNSHARE, *cmd]
             env["AUTOGRADER_HIDE"] = os.pathsep.join(
                 str(p) for p in [REPO / "solutions"] if p.exists())
+            env["AUTOGRADER_WRITABLE"] = str(work)
         with open(self._out_path, "wb") as out:
             self._proc = subprocess.Popen(
                 cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
@@ -244,7 +248,8 @@ class Sandbox:
         os.close(req_r)
         os.close(rep_w)
         reply = self._request({"op": "load", "cells": self.cells, "objects": self.objects},
-                              self.limits.load_timeout, "loading your notebook's code")
+                              min(self.limits.load_timeout, MAX_CALL_TIMEOUT),
+                              "loading your notebook's code")
         self.cell_errors = dict(reply.get("cell_errors", {}))
 
     def alive(self) -> bool:
@@ -282,7 +287,7 @@ class Sandbox:
             self.close()
             self.start()
         msg = {"op": "call", "module": probe.__module__, "probe": probe.__qualname__, "args": args}
-        reply = self._request(msg, timeout, f"{probe.__qualname__}")
+        reply = self._request(msg, min(timeout, MAX_CALL_TIMEOUT), f"{probe.__qualname__}")
         if not reply.get("ok"):
             raise StudentError(reply.get("error", "the function raised an exception"))
         return reply.get("value")
@@ -302,6 +307,7 @@ class Sandbox:
         try:
             write_frame(self._req_w, pickle.dumps(msg))
             data = read_frame(self._rep_r, deadline, self._watchdog)
+            self._watchdog()  # a call that returned fast must not leave limits broken behind
         except TimeoutError:
             self.close()
             raise CallTimeout(f"timed out after {timeout:g} s ({what})") from None
@@ -335,15 +341,21 @@ class Sandbox:
         if len(tree) > self.limits.max_processes:
             raise LimitExceeded(f"stopped: your code started more than "
                                 f"{self.limits.max_processes} processes")
-        rss = 0
-        for p in tree:
-            try:
-                rss += p.memory_info().rss
-            except psutil.Error:
-                pass
-        if rss > self.limits.max_memory_bytes:
+        if _memory(tree, lambda p: p.memory_info().rss) > self.limits.max_memory_bytes and \
+                _memory(tree, lambda p: p.memory_full_info().pss) > self.limits.max_memory_bytes:
+            # RSS is cheap but counts pages that forked processes share; PSS splits them fairly
             raise LimitExceeded(f"stopped: your code used more than "
                                 f"{self.limits.max_memory_bytes / 2**30:.1f} GiB of memory")
+
+
+def _memory(tree, measure) -> int:
+    total = 0
+    for p in tree:
+        try:
+            total += measure(p)
+        except psutil.Error:
+            pass
+    return total
 
 
 def _child_limits():

@@ -38,19 +38,49 @@ def _frame_io(req_fd, rep_fd):
     return receive, send
 
 
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_NOATIME = 1, 2, 4, 8, 32, 1024
+_MS_NODIRATIME, _MS_BIND, _MS_RELATIME, _MS_STRICTATIME = 2048, 4096, 1 << 21, 1 << 24
+_KEEP_WRITABLE = ("/proc", "/sys", "/dev")
+
+
 def _isolate() -> None:
-    """Inside fresh namespaces: hide the paths named in AUTOGRADER_HIDE, bring loopback up."""
+    """Inside fresh namespaces (we are PID 1 of a new PID namespace made by ``unshare``):
+
+    - hide the paths named in AUTOGRADER_HIDE (the reference solutions) behind empty mounts,
+    - make every file system read-only except our own work folder (and /proc, /sys, /dev),
+    - bring the loopback interface up, so gloo on 127.0.0.1 works in the empty network.
+    """
     libc = ctypes.CDLL(None, use_errno=True)
+    work = os.environ.pop("AUTOGRADER_WRITABLE", "")
     for path in filter(None, os.environ.pop("AUTOGRADER_HIDE", "").split(os.pathsep)):
-        libc.mount(b"none", path.encode(), b"tmpfs", 0, b"size=1m,mode=000")
-    # SIOCGIFFLAGS / SIOCSIFFLAGS on "lo": gloo on 127.0.0.1 needs loopback up in a new netns
-    try:
+        libc.mount(b"none", path.encode(), b"tmpfs", _MS_RDONLY, b"size=4k,mode=000")
+    if work:
+        libc.mount(work.encode(), work.encode(), None, _MS_BIND, None)
+    for target, options in _mounts():
+        if target == work or any(target == k or target.startswith(k + "/") for k in _KEEP_WRITABLE):
+            continue
+        flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY
+        for name, bit in (("nosuid", _MS_NOSUID), ("nodev", _MS_NODEV), ("noexec", _MS_NOEXEC),
+                          ("noatime", _MS_NOATIME), ("nodiratime", _MS_NODIRATIME),
+                          ("relatime", _MS_RELATIME), ("strictatime", _MS_STRICTATIME)):
+            if name in options:
+                flags |= bit
+        libc.mount(None, target.encode(), None, flags, None)
+    try:  # SIOCGIFFLAGS / SIOCSIFFLAGS: set IFF_UP on "lo"
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             ifreq = struct.pack("16sH14s", b"lo", 0, b"")
             flags = struct.unpack("16sH14s", fcntl.ioctl(s, 0x8913, ifreq))[1]
             fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", flags | 0x1, b""))
     except OSError:
         pass
+
+
+def _mounts():
+    """(mount point, options) of every mount, from /proc/self/mountinfo."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            yield fields[4].encode().decode("unicode_escape"), set(fields[5].split(","))
 
 
 def _format_exception(exc: BaseException, filename_prefix: str = "<cell ") -> str:
@@ -90,6 +120,17 @@ def _load(msg) -> dict:
     return ns, errors
 
 
+def _free_memory() -> None:
+    """Between checks: drop garbage and give cached CUDA memory back."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 class _NoShell:
     """Stands in for IPython's shell so that leftover magics do nothing."""
 
@@ -118,10 +159,12 @@ def main(req_fd: int, rep_fd: int) -> None:
                 probe = getattr(importlib.import_module(msg["module"]), msg["probe"])
                 value = probe(ns, *msg["args"])
                 send({"ok": True, "value": value})
+                del value
             except SystemExit as exc:
                 send({"ok": False, "error": f"your code called exit({exc.code!r})"})
             except BaseException as exc:  # noqa: BLE001
                 send({"ok": False, "error": _format_exception(exc)})
+            _free_memory()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import os
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +59,7 @@ def offline_env(tiny_data) -> dict:
 
 def grade(notebook: Path, *extra: str, env: dict | None = None, timeout: float = 300) -> dict:
     """Grade ``notebook`` with the CLI in a fresh process; return the full JSON report."""
-    out = notebook.parent / f".{notebook.stem}-report.json"
+    out = Path(tempfile.mkdtemp(prefix="report-")) / "report.json"
     proc = subprocess.run([sys.executable, "-m", "autograder", "grade", str(notebook),
                            "--report", str(out), *extra],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)

@@ -73,7 +73,7 @@ def test_planted_bug_loses_exactly_that_functions_points(function, offline_env, 
     full = expected_full()
     for name, points in full.items():
         skipped = all(r["status"] == "skipped" for r in report["results"] if r["function"] == name)
-        if name == function:
+        if name in (function, f"{function}_speedup"):  # a speedup counts only for correct code
             assert got[name] == 0, (name, report["results"])
         elif not skipped:
             assert got[name] == points, (name, [r for r in report["results"] if r["function"] == name])
