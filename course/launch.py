@@ -95,15 +95,17 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout: floa
                      "WORLD_SIZE": str(world_size), "LAUNCH_BACKEND": backend,
                      "LAUNCH_COLLECTIVE_TIMEOUT": str(collective_timeout),
                      "OMP_NUM_THREADS": str(threads), "LAUNCH_THREADS": str(threads),
-                     "PYTHONUNBUFFERED": "1"}
-        procs, tails, readers = [], [], []
+                     "PYTHONUNBUFFERED": "1",
+                     # functions of importable modules travel by name: see what we see
+                     "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
+        procs, tails, readers, ended = [], [], [], {}
         for rank in range(world_size):
             proc = subprocess.Popen(
                 [sys.executable, "-m", "course.launch", tmp, str(rank)],
                 env={**child_env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             tail: list[str] = []
-            reader = threading.Thread(target=_pump, args=(proc, rank, tail, quiet), daemon=True)
+            reader = threading.Thread(target=_pump, args=(proc, rank, tail, quiet, ended), daemon=True)
             reader.start()
             procs.append(proc), tails.append(tail), readers.append(reader)
         try:
@@ -116,14 +118,17 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout: floa
         if failed == "timeout":
             raise TimeoutError(f"launch: ranks still running after {timeout:.0f} s; all stopped")
         if failed is not None:
-            rank, code = failed
-            raise LaunchError(f"rank {rank} exited with code {code}; its last lines:\n"
-                              + "".join(tails[rank][-20:]))
+            # the cause first: ranks that only lost a peer mid-collective come after it
+            failed.sort(key=lambda rc: (_lost_peer(tails[rc[0]]), ended.get(rc[0], float("inf"))))
+            raise LaunchError("\n".join(
+                f"rank {rank} exited with code {code}; its last lines:\n" + "".join(tails[rank][-15:])
+                for rank, code in failed))
         return [cloudpickle.loads(Path(tmp, f"result-{r}.pkl").read_bytes())
                 for r in range(world_size)]
 
 
-def _pump(proc, rank, tail, quiet):
+def _pump(proc, rank, tail, quiet, ended):
+    """Echo one rank's output with its prefix; note when it ended (its output closed)."""
     for raw in iter(proc.stdout.readline, b""):
         line = raw.decode(errors="replace")
         tail.append(line)
@@ -131,16 +136,26 @@ def _pump(proc, rank, tail, quiet):
         if not quiet:
             sys.stdout.write(f"[rank {rank}] {line}")
             sys.stdout.flush()
+    ended[rank] = time.monotonic()
+
+
+def _lost_peer(tail: list[str]) -> bool:
+    text = "".join(tail[-30:])
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer",
+                                   "NCCL communicator was aborted", "Broken pipe"))
 
 
 def _wait(procs, timeout):
-    """None when every rank exited 0; (rank, code) for the first failure; 'timeout'."""
+    """None when every rank exited 0; 'timeout'; or the failed ranks as [(rank, code)]."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         codes = [p.poll() for p in procs]
-        for rank, code in enumerate(codes):
-            if code not in (None, 0):
-                return rank, code
+        first = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        if first:
+            time.sleep(1.0)  # let the ranks it brought down exit too, to report them all
+            later = [(rank, p.poll()) for rank, p in enumerate(procs)
+                     if p.poll() not in (None, 0) and rank not in dict(first)]
+            return first + later
         if all(code == 0 for code in codes):
             return None
         time.sleep(0.02)
