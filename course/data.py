@@ -26,9 +26,14 @@ def _offline() -> bool:
 
 
 def synthetic_fashion_mnist(n: int, *, seed: int = 0, image_size: int = 28) -> TensorDataset:
-    """``n`` learnable fake images: one random prototype per class plus noise, in [0, 1]."""
+    """``n`` learnable fake images: one fixed random prototype per class plus noise, in [0, 1].
+
+    The prototypes are the same for every ``seed`` (so a train and a test set made with two
+    seeds share their classes); ``seed`` draws the labels and the noise.
+    """
+    prototypes = torch.rand(10, 1, image_size, image_size,
+                            generator=torch.Generator().manual_seed(20_251_122))
     g = torch.Generator().manual_seed(seed)
-    prototypes = torch.rand(10, 1, image_size, image_size, generator=g)
     labels = torch.randint(0, 10, (n,), generator=g)
     noise = 0.3 * torch.randn(n, 1, image_size, image_size, generator=g)
     images = (prototypes[labels] + noise).clamp(0, 1)

@@ -101,3 +101,13 @@ def test_launch_runs_ranks_and_reports_failures(capfd):
     with pytest.raises(TimeoutError):
         launch(_sleep, 2, timeout=3, quiet=True)
     assert time.monotonic() - start < 20
+
+
+def test_synthetic_train_and_test_sets_share_their_classes():
+    train = data.synthetic_fashion_mnist(200, seed=0)
+    test = data.synthetic_fashion_mnist(200, seed=1)
+    Xtr, ytr = train.tensors
+    Xte, yte = test.tensors
+    centroids = torch.stack([Xtr[ytr == k].mean(0) for k in range(10)]).flatten(1)
+    nearest = torch.cdist(Xte.flatten(1), centroids).argmin(1)
+    assert (nearest == yte).float().mean() > 0.9
