@@ -1,4 +1,5 @@
-"""``python -m autograder grade NOTEBOOK [--json results.json]``: grade one submission.
+"""``python -m autograder grade NOTEBOOK [--json results.json]``: grade one submission;
+``python -m autograder grade-folder SUBMISSIONS OUT``: grade a class (:mod:`autograder.batch`).
 
 The flow a newcomer can follow: :func:`autograder.submission.load_submission` (trusted
 notebook + the student's answer cells) -> :func:`autograder.harness.run_checks` (pytest, the
@@ -22,7 +23,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--only", help="grade the checks of this one function only")
     g.add_argument("--json", metavar="PATH", help="write Gradescope results.json here")
     g.add_argument("--report", metavar="PATH", help="write the full report as JSON here")
-    k = sub.add_parser("grade-objects", help=argparse.SUPPRESS)  # used by autograder.check
+    sub.add_parser("grade-folder", help="grade every notebook under SUBMISSIONS into OUT "
+                   "(grades.csv and per-student results): grade-folder SUBMISSIONS OUT "
+                   "[--assignment A] [--timeout S]", add_help=False)
+    k = sub.add_parser("grade-objects", help="internal: grades what check() sends from a kernel")
     k.add_argument("pickle")
     k.add_argument("--assignment", required=True)
     k.add_argument("--only")
@@ -31,6 +35,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["grade-folder"]:  # SUBMISSIONS OUT [--assignment A] [--timeout S]
+        from .batch import main as grade_folder
+
+        return grade_folder(argv[1:])
     args = _parser().parse_args(argv)
     from .harness import Report, run_checks
     from .report import atomic_write, table, write_json

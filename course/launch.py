@@ -80,6 +80,21 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout: floa
     fairly). ``collective_timeout``: seconds a collective may wait before the process group
     gives up. ``timeout``: seconds for the whole run. ``quiet``: do not echo the ranks' output.
     """
+    for attempt in range(3):
+        try:
+            return _launch(fn, world_size, args, backend, timeout, threads, collective_timeout,
+                           quiet, env)
+        except _PortTaken:
+            if not quiet:
+                print("[launch] the port was taken meanwhile; retrying with another", flush=True)
+    raise LaunchError("could not find a free port for the process group three times")
+
+
+class _PortTaken(Exception):
+    """The free port we picked was taken before rank 0 could listen on it."""
+
+
+def _launch(fn, world_size, args, backend, timeout, threads, collective_timeout, quiet, env):
     import cloudpickle
 
     if world_size < 1:
@@ -117,6 +132,9 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout: floa
                 reader.join(timeout=5)
         if failed == "timeout":
             raise TimeoutError(f"launch: ranks still running after {timeout:.0f} s; all stopped")
+        if failed is not None and any("EADDRINUSE" in "".join(tails[r]) or "address already in use"
+                                      in "".join(tails[r]).lower() for r, _ in failed):
+            raise _PortTaken()
         if failed is not None:
             # the cause first: ranks that only lost a peer mid-collective come after it
             failed.sort(key=lambda rc: (_lost_peer(tails[rc[0]]), ended.get(rc[0], float("inf"))))

@@ -1,0 +1,180 @@
+"""The instructor's nbgrader flow end to end, in a temporary course (docs/instructor.md):
+students added, assignment generated, three submissions autograded, feedback generated,
+grades exported.
+
+Submissions: alice pasted the reference answers and wrote her own written answer, bob handed
+in the released notebook untouched, carol is alice with one planted bug in ``allreduce``.
+"""
+from __future__ import annotations
+
+import csv
+import html
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from conftest import REPO
+from test_grader_a1 import BUGS
+
+ASSIGNMENT = "a1_data_parallel"
+NOTEBOOK = "data_parallel.ipynb"
+SOURCE = REPO / "solutions" / ASSIGNMENT / NOTEBOOK
+STUDENTS = ["alice", "bob", "carol"]
+ALICE_WRITES = ("Two devices were slower for me because each step moved shards and gradients "
+                "between them, which cost more than the arithmetic it saved.")
+
+
+def nbgrader(course: Path, env: dict, *args: str, timeout: float = 900) -> str:
+    exe = Path(sys.executable).parent / "nbgrader"
+    proc = subprocess.run([str(exe), *args], cwd=course, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"nbgrader {' '.join(args)}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    return proc.stdout + proc.stderr
+
+
+def meta(cell) -> dict:
+    return cell.get("metadata", {}).get("nbgrader", {}) or {}
+
+
+def check_cell_points() -> dict[str, float]:
+    """``{function: points}`` of the autograded test cells (``check("<function>")``)."""
+    points = {}
+    for cell in nbformat.read(SOURCE, as_version=4).cells:
+        m = re.search(r"""check\(\s*["'](\w+)["']""", cell.source)
+        if cell.cell_type == "code" and meta(cell).get("grade") and m:
+            points[m.group(1)] = float(meta(cell)["points"])
+    return points
+
+
+def written_cells() -> list:
+    return [c for c in nbformat.read(SOURCE, as_version=4).cells
+            if c.cell_type == "markdown" and meta(c).get("grade") and meta(c).get("solution")]
+
+
+def region(text: str) -> str:
+    m = re.search(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", text, re.S)
+    return m.group(1) if m else ""
+
+
+def normalise(text: str) -> str:
+    return " ".join(text.split())
+
+
+def html_text(path: Path) -> str:
+    """What a reader sees in an HTML file: tags removed (syntax highlighting splits code into
+    spans), entities decoded, whitespace normalised."""
+    raw = path.read_text(encoding="utf-8", errors="ignore")
+    raw = re.sub(r"<(script|style)\b.*?</\1>", " ", raw, flags=re.S | re.I)
+    return normalise(html.unescape(re.sub(r"<[^>]+>", "", raw)))
+
+
+def answered(release: Path) -> nbformat.NotebookNode:
+    """The released notebook with the reference's code answers pasted in (markers removed)
+    and alice's own written answer."""
+    source = {meta(c)["grade_id"]: c for c in nbformat.read(SOURCE, as_version=4).cells
+              if meta(c).get("solution")}
+    nb = nbformat.read(release, as_version=4)
+    for cell in nb.cells:
+        gid = meta(cell).get("grade_id")
+        if gid in source and cell.cell_type == "code":
+            cell.source = re.sub(r"^[ \t]*### (BEGIN|END) SOLUTION[^\n]*\n?", "",
+                                 source[gid].source, flags=re.M)
+        elif gid in source:
+            cell.source = ALICE_WRITES
+    return nb
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory, offline_env) -> Path:
+    """A course run through nbgrader: db, generate, submit, autograde, feedback, export."""
+    course = tmp_path_factory.mktemp("instructor") / "course"
+    course.mkdir(parents=True)
+    shutil.copy(REPO / "nbgrader_config.py", course / "nbgrader_config.py")
+    shutil.copytree(REPO / "solutions" / ASSIGNMENT, course / "solutions" / ASSIGNMENT,
+                    ignore=shutil.ignore_patterns(".*"))
+    env = offline_env
+    for student in STUDENTS:
+        nbgrader(course, env, "db", "student", "add", student, f"--first-name={student.title()}",
+                 "--last-name=Student")
+    nbgrader(course, env, "generate_assignment", ASSIGNMENT, "--force")
+    release = course / "assignments" / ASSIGNMENT / NOTEBOOK
+    assert release.exists() and "BEGIN SOLUTION" not in release.read_text()
+
+    alice = answered(release)
+    carol = answered(release)
+    old, new = BUGS["allreduce"]
+    cell = next(c for c in carol.cells if meta(c).get("grade_id") == "allreduce"
+                and c.cell_type == "code")
+    assert old in cell.source, "the planted allreduce bug no longer applies"
+    cell.source = cell.source.replace(old, new)
+    for student, nb in [("alice", alice), ("bob", nbformat.read(release, as_version=4)),
+                        ("carol", carol)]:
+        folder = course / "submitted" / student / ASSIGNMENT
+        folder.mkdir(parents=True)
+        nbformat.write(nb, folder / NOTEBOOK)
+
+    nbgrader(course, env, "autograde", ASSIGNMENT, "--force")
+    nbgrader(course, env, "generate_feedback", ASSIGNMENT, "--force")
+    nbgrader(course, env, "export", "--to", str(course / "grades.csv"))
+    return course
+
+
+@pytest.mark.slow
+def test_exported_scores_per_student(course):
+    points = check_cell_points()
+    full = sum(points.values())
+    written = sum(float(meta(c)["points"]) for c in written_cells())
+    assert full > 0 and written > 0 and "allreduce" in points
+    with open(course / "grades.csv") as f:
+        rows = {r["student_id"]: r for r in csv.DictReader(f) if r["assignment"] == ASSIGNMENT}
+    assert set(rows) == set(STUDENTS)
+    expected = {"alice": full, "bob": 0.0, "carol": full - points["allreduce"]}
+    for student, want in expected.items():
+        row = rows[student]
+        assert row["assignment"] == ASSIGNMENT
+        assert float(row["score"]) == pytest.approx(want), (student, row)
+        assert float(row["max_score"]) == pytest.approx(full + written), (student, row)
+
+
+@pytest.mark.slow
+def test_written_answers_wait_for_manual_grading(course):
+    from nbgrader.api import Gradebook
+
+    gid = meta(written_cells()[0])["grade_id"]
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        for student in ("alice", "carol"):  # they wrote an answer: a person must grade it
+            grade = gb.find_grade(gid, Path(NOTEBOOK).stem, ASSIGNMENT, student)
+            assert grade.needs_manual_grade and grade.manual_score is None, student
+            assert grade.auto_score is None
+            submission = gb.find_submission(ASSIGNMENT, student)
+            assert submission.needs_manual_grade
+        # bob left "YOUR ANSWER HERE": nbgrader scores an unchanged answer cell 0 by itself
+        grade = gb.find_grade(gid, Path(NOTEBOOK).stem, ASSIGNMENT, "bob")
+        assert grade.score == 0 and not grade.needs_manual_grade
+
+
+@pytest.mark.slow
+def test_feedback_has_no_solution_text(course):
+    feedback = {s: course / "feedback" / s / ASSIGNMENT / f"{Path(NOTEBOOK).stem}.html"
+                for s in STUDENTS}
+    for path in feedback.values():
+        assert path.exists(), path
+    texts = {s: html_text(p) for s, p in feedback.items()}
+    written_solution = normalise(region(written_cells()[0].source))
+    code_regions = [normalise(region(c.source)) for c in nbformat.read(SOURCE, as_version=4).cells
+                    if c.cell_type == "code" and meta(c).get("solution")]
+    assert written_solution and len(code_regions) >= 5
+    # the search works: alice's feedback shows her own answers (which are the reference's code)
+    assert normalise(ALICE_WRITES) in texts["alice"]
+    assert any(r in texts["alice"] for r in code_regions)
+    for student, text in texts.items():
+        assert written_solution not in text, f"{student}'s feedback shows the model answer"
+        assert "BEGIN SOLUTION" not in text and "END SOLUTION" not in text
+    assert not [r for r in code_regions if r in texts["bob"]], \
+        "the untouched stub's feedback shows reference code"
+    assert "NotImplementedError" in texts["bob"]
