@@ -3,7 +3,9 @@ students added, assignment generated, three submissions autograded, feedback gen
 grades exported.
 
 Submissions: alice pasted the reference answers and wrote her own written answer, bob handed
-in the released notebook untouched, carol is alice with one planted bug in ``allreduce``.
+in the released notebook untouched, carol is alice with one planted bug in ``allreduce``,
+dave handed in the stubs but redefined ``check`` (and patched ``autograder.check``) so that
+every test cell would print PASS in his kernel.
 """
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ from test_grader_a1 import BUGS
 ASSIGNMENT = "a1_data_parallel"
 NOTEBOOK = "data_parallel.ipynb"
 SOURCE = REPO / "solutions" / ASSIGNMENT / NOTEBOOK
-STUDENTS = ["alice", "bob", "carol"]
+STUDENTS = ["alice", "bob", "carol", "dave"]
+CHEAT = ("import autograder\n"
+         "def check(*args, **kwargs):\n    print('PASS')\n"
+         "autograder.check = check\n")
 ALICE_WRITES = ("Two devices were slower for me because each step moved shards and gradients "
                 "between them, which cost more than the arithmetic it saved.")
 
@@ -112,8 +117,10 @@ def course(tmp_path_factory, offline_env) -> Path:
                 and c.cell_type == "code")
     assert old in cell.source, "the planted allreduce bug no longer applies"
     cell.source = cell.source.replace(old, new)
+    dave = nbformat.read(release, as_version=4)
+    next(c for c in dave.cells if meta(c).get("grade_id") == "copy_params").source = CHEAT
     for student, nb in [("alice", alice), ("bob", nbformat.read(release, as_version=4)),
-                        ("carol", carol)]:
+                        ("carol", carol), ("dave", dave)]:
         folder = course / "submitted" / student / ASSIGNMENT
         folder.mkdir(parents=True)
         nbformat.write(nb, folder / NOTEBOOK)
@@ -133,7 +140,7 @@ def test_exported_scores_per_student(course):
     with open(course / "grades.csv") as f:
         rows = {r["student_id"]: r for r in csv.DictReader(f) if r["assignment"] == ASSIGNMENT}
     assert set(rows) == set(STUDENTS)
-    expected = {"alice": full, "bob": 0.0, "carol": full - points["allreduce"]}
+    expected = {"alice": full, "bob": 0.0, "carol": full - points["allreduce"], "dave": 0.0}
     for student, want in expected.items():
         row = rows[student]
         assert row["assignment"] == ASSIGNMENT
