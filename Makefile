@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PORT   ?= 8888
 
-.PHONY: install lab test grade student-edition clean
+.PHONY: install lab test grade bench student-edition clean
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ test: install
 # Grade one notebook: make grade NB=path/to/notebook.ipynb
 grade: install
 	$(PY) -m autograder grade $(NB)
+
+# Measure the reference solutions on this machine (DDP weak scaling, ring vs all_reduce)
+bench: install
+	$(PY) -m autograder.bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

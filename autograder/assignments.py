@@ -30,6 +30,7 @@ class Assignment:
 
 ASSIGNMENTS: dict[str, Assignment] = {a.name: a for a in [
     Assignment("a1_data_parallel", "data_parallel.ipynb", "a1_data_parallel"),
+    Assignment("a2_ddp", "ddp.ipynb", "a2_ddp"),
 ]}
 
 

@@ -12,8 +12,6 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nbformat
-
 
 class SubmissionError(Exception):
     """The file cannot be graded at all; the message says why, for the student."""
@@ -53,6 +51,8 @@ def read_notebook(path: str | Path):
     except json.JSONDecodeError as exc:
         raise SubmissionError(f"{path.name} is not valid JSON (line {exc.lineno}: {exc.msg}); "
                               "was it saved completely?") from None
+    import nbformat  # here, not at the top: probes import this module in every sandbox
+
     if not isinstance(raw, dict) or "cells" not in raw:
         raise SubmissionError(f"{path.name} is JSON but not a Jupyter notebook (no 'cells')")
     try:
