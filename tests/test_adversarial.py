@@ -138,7 +138,10 @@ from course.launch import launch
 
 def _skip_collective(rank, world_size):
     if rank == 0:
-        dist.all_reduce(torch.ones(1))   # rank 1 never joins: a deadlock
+        dist.all_reduce(torch.ones(1))   # waits for rank 1, which never joins: a deadlock
+    else:
+        import time
+        time.sleep(4242)                 # alive, so rank 0 is not told its peer left
 
 def allreduce(data):
     launch(_skip_collective, 2, timeout=4242, collective_timeout=4242, quiet=True)
