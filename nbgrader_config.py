@@ -12,6 +12,7 @@ c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "assignments"
 c.CourseDirectory.db_assignments = [{"name": "a1_data_parallel"}]
 c.CourseDirectory.db_assignments += [{"name": "a2_ddp"}]
+c.CourseDirectory.db_assignments += [{"name": "a3_model_pipeline"}]
 
 # Students see "raise NotImplementedError()" in their answer cells.
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}

@@ -31,6 +31,7 @@ class Assignment:
 ASSIGNMENTS: dict[str, Assignment] = {a.name: a for a in [
     Assignment("a1_data_parallel", "data_parallel.ipynb", "a1_data_parallel"),
     Assignment("a2_ddp", "ddp.ipynb", "a2_ddp"),
+    Assignment("a3_model_pipeline", "model_pipeline.ipynb", "a3_model_pipeline"),
 ]}
 
 
