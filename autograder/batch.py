@@ -34,6 +34,8 @@ from pathlib import Path
 
 import psutil
 
+from .sandbox import kill_tree
+
 REPO = Path(__file__).resolve().parents[1]
 CSV_FIELDS = ["student", "assignment", "score", "max_score", "status", "not_graded_points",
               "notebook", "message"]
@@ -81,21 +83,6 @@ def find_submissions(root: Path, exclude: list[Path] = ()) -> list[tuple[str, Pa
     return found
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """Kill the grader and everything it started (sandbox workers start their own sessions)."""
-    try:
-        parent = psutil.Process(proc.pid)
-        victims = parent.children(recursive=True) + [parent]
-    except psutil.Error:
-        victims = []
-    for p in victims:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(victims, timeout=5)
-
-
 def _failure_results(message: str) -> dict:
     return {"score": 0, "output": message, "tests": []}
 
@@ -119,6 +106,7 @@ def grade_one(notebook: Path, workdir: Path, assignment: str | None = None,
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     start = time.monotonic()
+    spare = {p.pid for p in psutil.Process().children(recursive=True)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, errors="replace", start_new_session=True)
@@ -126,7 +114,7 @@ def grade_one(notebook: Path, workdir: Path, assignment: str | None = None,
         output, _ = proc.communicate(timeout=timeout)
         timed_out = False
     except subprocess.TimeoutExpired:
-        _kill_tree(proc)
+        kill_tree(proc.pid, spare)  # its group, every descendant, escaped ones too
         output, _ = proc.communicate()
         timed_out = True
     output = (output or "")[-OUTPUT_TAIL:]
