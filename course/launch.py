@@ -18,6 +18,7 @@ Scripts use ``torchrun --standalone --nproc-per-node N script.py`` instead (see 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import subprocess
@@ -195,9 +196,24 @@ def _worker(tmp: str, rank: int) -> None:
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = fn(rank, world_size, *args)
+        Path(tmp, f"result-{rank}.pkl").write_bytes(cloudpickle.dumps(result))
+        # An orderly goodbye. Objects that hold the group (a DDP reducer sits in reference
+        # cycles) are freed first, and no rank tears its connections down while a peer may
+        # still be talking to it; otherwise gloo can std::terminate a rank at exit
+        # ("terminate called without an active exception") after all the work succeeded.
+        del result
+        gc.collect()
+        try:
+            dist.barrier()
+        except RuntimeError:
+            pass  # the group broke earlier (a collective timed out): our work is saved all the same
     finally:
         dist.destroy_process_group()
-    Path(tmp, f"result-{rank}.pkl").write_bytes(cloudpickle.dumps(result))
+    # Skip interpreter teardown: C++ destructors of threads that the libraries started are the
+    # other way a finished rank could still abort. Everything it had to say is flushed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
