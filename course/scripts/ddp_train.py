@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import sys
 import time
@@ -141,6 +142,8 @@ def main(argv=None) -> None:
     print(f"rank {rank}/{world_size} (local rank {local_rank}) on {device}: {what}", flush=True)
     try:
         train(args, rank, world_size, device)
+        gc.collect()   # DDP's reducer (it holds the group) lives in reference cycles: free it first
+        dist.barrier() # and hang up together, or gloo may abort a rank that is still talking
     finally:
         dist.destroy_process_group()
 
