@@ -20,7 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("grade", help="grade one submitted notebook")
     g.add_argument("notebook", help="the submitted .ipynb")
     g.add_argument("--assignment", help="assignment name (default: detected from the notebook)")
-    g.add_argument("--only", help="grade the checks of this one function only")
+    g.add_argument("--only", metavar="FUNCTIONS",
+                   help="grade only the checks of these functions (comma-separated)")
     g.add_argument("--json", metavar="PATH", help="write Gradescope results.json here")
     g.add_argument("--report", metavar="PATH", help="write the full report as JSON here")
     sub.add_parser("grade-folder", help="grade every notebook under SUBMISSIONS into OUT "
