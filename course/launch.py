@@ -5,8 +5,11 @@ defined in a notebook cell cannot be found again by name in a fresh process. For
 hangs when CUDA or torch's thread pool is already running. So :func:`launch`:
 
 1. serialises ``fn`` and its arguments *by value* with cloudpickle,
-2. starts ``world_size`` fresh Python processes (``python -m course.launch``), each with
-   ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set and a free port,
+2. starts ``world_size`` fresh processes, each with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
+   ``MASTER_PORT`` set and a free port: forked from a *fork server* that imported torch once
+   and never ran anything (so forking is safe, and a rank starts in milliseconds instead of
+   the second or more that importing torch takes), or, with ``COURSE_LAUNCH_START=exec`` and
+   where there is no fork server (Windows), a new interpreter each (``python -m course.launch``),
 3. in each, joins the default process group (NCCL with one GPU per process when there are
    enough GPUs, else gloo on CPU processes, which stand in for GPUs) with a timeout, and calls
    ``fn(rank, world_size, *args)``,
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import datetime
 import gc
+import io
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -26,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -58,18 +64,98 @@ def device_for(rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """Kill a rank and everything it started."""
-    try:
-        import psutil
+def start_method() -> str:
+    """How ranks start: ``"forkserver"`` (the default where the platform has one) or ``"exec"``."""
+    wanted = os.environ.get("COURSE_LAUNCH_START", "forkserver")
+    if wanted == "forkserver" and "forkserver" in multiprocessing.get_all_start_methods():
+        return "forkserver"
+    return "exec"
 
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-    except Exception:
-        pass
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
+
+_fork_server = None
+
+
+def _fork_server_context():
+    """The fork server, started once per process on first use. It imports torch and
+    torch.distributed and then only ever forks: no thread pool, no CUDA, nothing that a fork
+    could copy in a bad state."""
+    global _fork_server
+    if _fork_server is None:
+        _fork_server = multiprocessing.get_context("forkserver")
+        _fork_server.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle",
+                                             "course.launch"])
+    return _fork_server
+
+
+class _Rank:
+    """One rank's process, however it started; ``stdout`` carries its output and errors."""
+
+    def __init__(self, how: str, tmp: str, rank: int, env: dict):
+        self._popen = self._process = None
+        if how == "exec":
+            self._popen = subprocess.Popen(
+                [sys.executable, "-m", "course.launch", tmp, str(rank)], env=env,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            self.pid, self.stdout = self._popen.pid, self._popen.stdout
+            return
+        from multiprocessing.connection import Connection
+
+        read_end, write_end = os.pipe()
+        writer = Connection(write_end, readable=False)  # travels to the rank with the request
+        context = _fork_server_context()
+        self._process = context.Process(target=_forked_rank, args=(tmp, rank, env, writer),
+                                        name=f"rank {rank}")
+        try:
+            self._process.start()
+        finally:
+            writer.close()  # the rank holds the only write end: its exit ends our reading
+        self.pid, self.stdout = self._process.pid, os.fdopen(read_end, "rb")
+
+    def poll(self) -> int | None:
+        """The exit code (negative: killed by that signal), or None while it runs."""
+        return self._popen.poll() if self._popen else self._process.exitcode
+
+    def kill(self) -> None:
+        """Kill the rank and everything it started; wait for it."""
+        try:
+            import psutil
+
+            for child in psutil.Process(self.pid).children(recursive=True):
+                child.kill()
+        except Exception:
+            pass
+        if self.poll() is None:
+            (self._popen or self._process).kill()
+        if self._popen:
+            self._popen.wait()
+        else:
+            self._process.join()
+            self._process.close()
+
+
+def _forked_rank(tmp: str, rank: int, env: dict, out) -> None:
+    """Body of a rank forked from the fork server: become the process `exec` would have
+    started (our output into the pipe, our environment and module path), then work."""
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    out.close()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    for path in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):
+        if path and path not in sys.path:
+            sys.path.insert(0, path)
+    try:
+        _worker(tmp, rank)
+    except BaseException:  # report it as an interpreter would, not as multiprocessing does
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def launch(fn, world_size: int, *args, backend: str | None = None, timeout: float = 300.0,
@@ -115,11 +201,9 @@ def _launch(fn, world_size, args, backend, timeout, threads, collective_timeout,
                      # functions of importable modules travel by name: see what we see
                      "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
         procs, tails, readers, ended = [], [], [], {}
+        how = start_method()
         for rank in range(world_size):
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "course.launch", tmp, str(rank)],
-                env={**child_env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            proc = _Rank(how, tmp, rank, {**child_env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
             tail: list[str] = []
             reader = threading.Thread(target=_pump, args=(proc, rank, tail, quiet, ended), daemon=True)
             reader.start()
@@ -128,7 +212,7 @@ def _launch(fn, world_size, args, backend, timeout, threads, collective_timeout,
             failed = _wait(procs, timeout)
         finally:
             for proc in procs:
-                _kill(proc)
+                proc.kill()
             for reader in readers:
                 reader.join(timeout=5)
         if failed == "timeout":

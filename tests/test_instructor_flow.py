@@ -1,11 +1,11 @@
 """The instructor's nbgrader flow end to end, in a temporary course (docs/instructor.md):
-students added, assignment generated, three submissions autograded, feedback generated,
+students added, the three assignments generated, submissions autograded, feedback generated,
 grades exported.
 
-Submissions: alice pasted the reference answers and wrote her own written answer, bob handed
-in the released notebook untouched, carol is alice with one planted bug in ``allreduce``,
-dave handed in the stubs but redefined ``check`` (and patched ``autograder.check``) so that
-every test cell would print PASS in his kernel.
+Submissions, for every assignment: alice pasted the reference answers and wrote her own
+written answer; bob handed in the released notebook untouched. For A1 also: carol is alice
+with one planted bug in ``allreduce``, and dave handed in the stubs but redefined ``check``
+(and patched ``autograder.check``) so that every test cell would print PASS in his kernel.
 """
 from __future__ import annotations
 
@@ -23,15 +23,19 @@ import pytest
 from conftest import REPO
 from test_grader_a1 import BUGS
 
-ASSIGNMENT = "a1_data_parallel"
-NOTEBOOK = "data_parallel.ipynb"
-SOURCE = REPO / "solutions" / ASSIGNMENT / NOTEBOOK
-STUDENTS = ["alice", "bob", "carol", "dave"]
+NOTEBOOKS = {"a1_data_parallel": "data_parallel.ipynb", "a2_ddp": "ddp.ipynb",
+             "a3_model_pipeline": "model_pipeline.ipynb"}
+STUDENTS = {"a1_data_parallel": ["alice", "bob", "carol", "dave"],
+            "a2_ddp": ["alice", "bob"], "a3_model_pipeline": ["alice", "bob"]}
 CHEAT = ("import autograder\n"
          "def check(*args, **kwargs):\n    print('PASS')\n"
          "autograder.check = check\n")
 ALICE_WRITES = ("Two devices were slower for me because each step moved shards and gradients "
                 "between them, which cost more than the arithmetic it saved.")
+
+
+def source(assignment: str) -> Path:
+    return REPO / "solutions" / assignment / NOTEBOOKS[assignment]
 
 
 def nbgrader(course: Path, env: dict, *args: str, timeout: float = 900) -> str:
@@ -46,18 +50,18 @@ def meta(cell) -> dict:
     return cell.get("metadata", {}).get("nbgrader", {}) or {}
 
 
-def check_cell_points() -> dict[str, float]:
+def check_cell_points(assignment: str) -> dict[str, float]:
     """``{function: points}`` of the autograded test cells (``check("<function>")``)."""
     points = {}
-    for cell in nbformat.read(SOURCE, as_version=4).cells:
+    for cell in nbformat.read(source(assignment), as_version=4).cells:
         m = re.search(r"""check\(\s*["'](\w+)["']""", cell.source)
         if cell.cell_type == "code" and meta(cell).get("grade") and m:
             points[m.group(1)] = float(meta(cell)["points"])
     return points
 
 
-def written_cells() -> list:
-    return [c for c in nbformat.read(SOURCE, as_version=4).cells
+def written_cells(assignment: str) -> list:
+    return [c for c in nbformat.read(source(assignment), as_version=4).cells
             if c.cell_type == "markdown" and meta(c).get("grade") and meta(c).get("solution")]
 
 
@@ -78,20 +82,36 @@ def html_text(path: Path) -> str:
     return normalise(html.unescape(re.sub(r"<[^>]+>", "", raw)))
 
 
-def answered(release: Path) -> nbformat.NotebookNode:
+def answered(assignment: str, release: Path) -> nbformat.NotebookNode:
     """The released notebook with the reference's code answers pasted in (markers removed)
     and alice's own written answer."""
-    source = {meta(c)["grade_id"]: c for c in nbformat.read(SOURCE, as_version=4).cells
-              if meta(c).get("solution")}
+    answers = {meta(c)["grade_id"]: c for c in nbformat.read(source(assignment), as_version=4).cells
+               if meta(c).get("solution")}
     nb = nbformat.read(release, as_version=4)
     for cell in nb.cells:
         gid = meta(cell).get("grade_id")
-        if gid in source and cell.cell_type == "code":
+        if gid in answers and cell.cell_type == "code":
             cell.source = re.sub(r"^[ \t]*### (BEGIN|END) SOLUTION[^\n]*\n?", "",
-                                 source[gid].source, flags=re.M)
-        elif gid in source:
+                                 answers[gid].source, flags=re.M)
+        elif gid in answers:
             cell.source = ALICE_WRITES
     return nb
+
+
+def submissions(assignment: str, release: Path) -> dict[str, nbformat.NotebookNode]:
+    """What each student hands in for ``assignment`` (see the module docstring)."""
+    handed_in = {"alice": answered(assignment, release), "bob": nbformat.read(release, as_version=4)}
+    if assignment == "a1_data_parallel":
+        carol = answered(assignment, release)
+        old, new = BUGS["allreduce"]
+        cell = next(c for c in carol.cells if meta(c).get("grade_id") == "allreduce"
+                    and c.cell_type == "code")
+        assert old in cell.source, "the planted allreduce bug no longer applies"
+        cell.source = cell.source.replace(old, new)
+        dave = nbformat.read(release, as_version=4)
+        next(c for c in dave.cells if meta(c).get("grade_id") == "copy_params").source = CHEAT
+        handed_in.update(carol=carol, dave=dave)
+    return handed_in
 
 
 @pytest.fixture(scope="module")
@@ -100,87 +120,88 @@ def course(tmp_path_factory, offline_env) -> Path:
     course = tmp_path_factory.mktemp("instructor") / "course"
     course.mkdir(parents=True)
     shutil.copy(REPO / "nbgrader_config.py", course / "nbgrader_config.py")
-    shutil.copytree(REPO / "solutions" / ASSIGNMENT, course / "solutions" / ASSIGNMENT,
-                    ignore=shutil.ignore_patterns(".*"))
     env = offline_env
-    for student in STUDENTS:
-        nbgrader(course, env, "db", "student", "add", student, f"--first-name={student.title()}",
-                 "--last-name=Student")
-    nbgrader(course, env, "generate_assignment", ASSIGNMENT, "--force")
-    release = course / "assignments" / ASSIGNMENT / NOTEBOOK
-    assert release.exists() and "BEGIN SOLUTION" not in release.read_text()
-
-    alice = answered(release)
-    carol = answered(release)
-    old, new = BUGS["allreduce"]
-    cell = next(c for c in carol.cells if meta(c).get("grade_id") == "allreduce"
-                and c.cell_type == "code")
-    assert old in cell.source, "the planted allreduce bug no longer applies"
-    cell.source = cell.source.replace(old, new)
-    dave = nbformat.read(release, as_version=4)
-    next(c for c in dave.cells if meta(c).get("grade_id") == "copy_params").source = CHEAT
-    for student, nb in [("alice", alice), ("bob", nbformat.read(release, as_version=4)),
-                        ("carol", carol), ("dave", dave)]:
-        folder = course / "submitted" / student / ASSIGNMENT
-        folder.mkdir(parents=True)
-        nbformat.write(nb, folder / NOTEBOOK)
-
-    nbgrader(course, env, "autograde", ASSIGNMENT, "--force")
-    nbgrader(course, env, "generate_feedback", ASSIGNMENT, "--force")
+    roster = course / "students.csv"
+    roster.write_text("id,first_name,last_name\n" + "".join(
+        f"{s},{s.title()},Student\n" for s in sorted({s for ss in STUDENTS.values() for s in ss})))
+    nbgrader(course, env, "db", "student", "import", str(roster))
+    for assignment, notebook in NOTEBOOKS.items():
+        shutil.copytree(REPO / "solutions" / assignment, course / "solutions" / assignment,
+                        ignore=shutil.ignore_patterns(".*"))
+        nbgrader(course, env, "generate_assignment", assignment, "--force")
+        release = course / "assignments" / assignment / notebook
+        assert release.exists() and "BEGIN SOLUTION" not in release.read_text()
+        handed_in = submissions(assignment, release)
+        assert sorted(handed_in) == sorted(STUDENTS[assignment])
+        for student, nb in handed_in.items():
+            folder = course / "submitted" / student / assignment
+            folder.mkdir(parents=True)
+            nbformat.write(nb, folder / notebook)
+        nbgrader(course, env, "autograde", assignment, "--force")
+        nbgrader(course, env, "generate_feedback", assignment, "--force")
     nbgrader(course, env, "export", "--to", str(course / "grades.csv"))
     return course
 
 
 @pytest.mark.slow
-def test_exported_scores_per_student(course):
-    points = check_cell_points()
+@pytest.mark.parametrize("assignment", NOTEBOOKS)
+def test_exported_scores_per_student(course, assignment):
+    points = check_cell_points(assignment)
     full = sum(points.values())
-    written = sum(float(meta(c)["points"]) for c in written_cells())
-    assert full > 0 and written > 0 and "allreduce" in points
+    written = sum(float(meta(c)["points"]) for c in written_cells(assignment))
+    assert full > 0 and written > 0
     with open(course / "grades.csv") as f:
-        rows = {r["student_id"]: r for r in csv.DictReader(f) if r["assignment"] == ASSIGNMENT}
-    assert set(rows) == set(STUDENTS)
-    expected = {"alice": full, "bob": 0.0, "carol": full - points["allreduce"], "dave": 0.0}
+        rows = {r["student_id"]: r for r in csv.DictReader(f) if r["assignment"] == assignment}
+    expected = {"alice": full, "bob": 0.0}
+    if assignment == "a1_data_parallel":
+        expected.update(carol=full - points["allreduce"], dave=0.0)
+    assert set(expected) == set(STUDENTS[assignment]) <= set(rows)
     for student, want in expected.items():
         row = rows[student]
-        assert row["assignment"] == ASSIGNMENT
         assert float(row["score"]) == pytest.approx(want), (student, row)
         assert float(row["max_score"]) == pytest.approx(full + written), (student, row)
 
 
 @pytest.mark.slow
-def test_written_answers_wait_for_manual_grading(course):
+@pytest.mark.parametrize("assignment", NOTEBOOKS)
+def test_written_answers_wait_for_manual_grading(course, assignment):
     from nbgrader.api import Gradebook
 
-    gid = meta(written_cells()[0])["grade_id"]
+    notebook = Path(NOTEBOOKS[assignment]).stem
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
-        for student in ("alice", "carol"):  # they wrote an answer: a person must grade it
-            grade = gb.find_grade(gid, Path(NOTEBOOK).stem, ASSIGNMENT, student)
-            assert grade.needs_manual_grade and grade.manual_score is None, student
-            assert grade.auto_score is None
-            submission = gb.find_submission(ASSIGNMENT, student)
-            assert submission.needs_manual_grade
-        # bob left "YOUR ANSWER HERE": nbgrader scores an unchanged answer cell 0 by itself
-        grade = gb.find_grade(gid, Path(NOTEBOOK).stem, ASSIGNMENT, "bob")
-        assert grade.score == 0 and not grade.needs_manual_grade
+        for cell in written_cells(assignment):
+            gid = meta(cell)["grade_id"]
+            for student in set(STUDENTS[assignment]) & {"alice", "carol"}:
+                # they wrote an answer: a person must grade it
+                grade = gb.find_grade(gid, notebook, assignment, student)
+                assert grade.needs_manual_grade and grade.manual_score is None, student
+                assert grade.auto_score is None
+                assert gb.find_submission(assignment, student).needs_manual_grade
+            # bob left "YOUR ANSWER HERE": nbgrader scores an unchanged answer cell 0 by itself
+            grade = gb.find_grade(gid, notebook, assignment, "bob")
+            assert grade.score == 0 and not grade.needs_manual_grade
 
 
 @pytest.mark.slow
-def test_feedback_has_no_solution_text(course):
-    feedback = {s: course / "feedback" / s / ASSIGNMENT / f"{Path(NOTEBOOK).stem}.html"
-                for s in STUDENTS}
+@pytest.mark.parametrize("assignment", NOTEBOOKS)
+def test_feedback_has_no_solution_text(course, assignment):
+    stem = Path(NOTEBOOKS[assignment]).stem
+    feedback = {s: course / "feedback" / s / assignment / f"{stem}.html"
+                for s in STUDENTS[assignment]}
     for path in feedback.values():
         assert path.exists(), path
     texts = {s: html_text(p) for s, p in feedback.items()}
-    written_solution = normalise(region(written_cells()[0].source))
-    code_regions = [normalise(region(c.source)) for c in nbformat.read(SOURCE, as_version=4).cells
+    written_solutions = [normalise(region(c.source)) for c in written_cells(assignment)]
+    code_regions = [normalise(region(c.source))
+                    for c in nbformat.read(source(assignment), as_version=4).cells
                     if c.cell_type == "code" and meta(c).get("solution")]
-    assert written_solution and len(code_regions) >= 5
+    assert all(written_solutions) and len(code_regions) >= 4
     # the search works: alice's feedback shows her own answers (which are the reference's code)
     assert normalise(ALICE_WRITES) in texts["alice"]
     assert any(r in texts["alice"] for r in code_regions)
     for student, text in texts.items():
-        assert written_solution not in text, f"{student}'s feedback shows the model answer"
+        for written in written_solutions:
+            assert written not in text, f"{student}'s feedback shows the model answer"
         assert "BEGIN SOLUTION" not in text and "END SOLUTION" not in text
     assert not [r for r in code_regions if r in texts["bob"]], \
         "the untouched stub's feedback shows reference code"

@@ -142,3 +142,16 @@ def test_finished_ranks_exit_cleanly():
     for _ in range(6):
         assert launch(_ddp_steps, 2, quiet=True, timeout=60) == [0, 1]
     assert launch(_timed_out_collective, 2, quiet=True, collective_timeout=1, timeout=60) == [0, 1]
+
+
+@pytest.mark.slow
+def test_launch_without_the_fork_server(monkeypatch, capfd):
+    """The fallback (Windows, or COURSE_LAUNCH_START=exec): a fresh interpreter per rank."""
+    from course.launch import start_method
+
+    monkeypatch.setenv("COURSE_LAUNCH_START", "exec")
+    assert start_method() == "exec"
+    assert launch(_sum_ranks, 2, 1.0) == [2.0, 2.0]
+    assert "[rank 1] sum is 1.0" in capfd.readouterr().out
+    with pytest.raises(LaunchError, match="rank one broke"):
+        launch(_fail_on_rank_one, 2, collective_timeout=10, quiet=True)
