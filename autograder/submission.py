@@ -37,8 +37,20 @@ def is_setup_cell(cell) -> bool:
     return cell.get("cell_type") == "code" and "setup" in cell.get("metadata", {}).get("tags", [])
 
 
-def read_notebook(path: str | Path):
-    """Read and validate a notebook; any problem becomes a readable SubmissionError."""
+class Node(dict):
+    """A JSON object whose keys also read as attributes (``cell.source``), as nbformat's
+    NotebookNode. Reading a notebook needs no more than this and a shape check; importing
+    nbformat (its schema validator) would add a second to every grading run."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def read_notebook(path: str | Path) -> Node:
+    """Read a notebook and check its shape; any problem becomes a readable SubmissionError."""
     path = Path(path)
     if not path.is_file():
         raise SubmissionError(f"{path}: no such file")
@@ -47,18 +59,24 @@ def read_notebook(path: str | Path):
     except UnicodeDecodeError:
         raise SubmissionError(f"{path.name} is not a text file, so not a notebook") from None
     try:
-        raw = json.loads(text)
+        nb = json.loads(text, object_hook=Node)
     except json.JSONDecodeError as exc:
         raise SubmissionError(f"{path.name} is not valid JSON (line {exc.lineno}: {exc.msg}); "
                               "was it saved completely?") from None
-    import nbformat  # here, not at the top: probes import this module in every sandbox
-
-    if not isinstance(raw, dict) or "cells" not in raw:
+    if not isinstance(nb, dict) or "cells" not in nb:
         raise SubmissionError(f"{path.name} is JSON but not a Jupyter notebook (no 'cells')")
-    try:
-        return nbformat.reads(text, as_version=4)
-    except Exception as exc:
-        raise SubmissionError(f"{path.name} is not a valid notebook: {exc}") from None
+    if nb.get("nbformat") != 4 or not isinstance(nb.cells, list):
+        raise SubmissionError(f"{path.name} is not a valid notebook: expected nbformat 4 with a "
+                              f"list of cells, found nbformat {nb.get('nbformat')!r}")
+    for i, cell in enumerate(nb.cells):
+        source = cell.get("source") if isinstance(cell, dict) else None
+        if isinstance(source, list) and all(isinstance(line, str) for line in source):
+            cell["source"] = source = "".join(source)
+        if not isinstance(source, str) or cell.get("cell_type") not in ("code", "markdown", "raw") \
+                or not isinstance(cell.setdefault("metadata", Node()), dict):
+            raise SubmissionError(f"{path.name} is not a valid notebook: cell {i} is malformed "
+                                  "(it needs a cell_type, a source and metadata)")
+    return nb
 
 
 _MAGIC = re.compile(r"^(\s*)([%!].*)$", re.MULTILINE)

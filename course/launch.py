@@ -8,8 +8,8 @@ hangs when CUDA or torch's thread pool is already running. So :func:`launch`:
 2. starts ``world_size`` fresh processes, each with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
    ``MASTER_PORT`` set and a free port: forked from a *fork server* that imported torch once
    and never ran anything (so forking is safe, and a rank starts in milliseconds instead of
-   the second or more that importing torch takes), or, with ``COURSE_LAUNCH_START=exec`` and
-   where there is no fork server (Windows), a new interpreter each (``python -m course.launch``),
+   the second or more that importing torch takes) on Linux; elsewhere, or with
+   ``COURSE_LAUNCH_START=exec``, a new interpreter each (``python -m course.launch``),
 3. in each, joins the default process group (NCCL with one GPU per process when there are
    enough GPUs, else gloo on CPU processes, which stand in for GPUs) with a timeout, and calls
    ``fn(rank, world_size, *args)``,
@@ -65,9 +65,11 @@ def device_for(rank: int) -> torch.device:
 
 
 def start_method() -> str:
-    """How ranks start: ``"forkserver"`` (the default where the platform has one) or ``"exec"``."""
-    wanted = os.environ.get("COURSE_LAUNCH_START", "forkserver")
-    if wanted == "forkserver" and "forkserver" in multiprocessing.get_all_start_methods():
+    """How ranks start: ``"forkserver"`` (the default on Linux) or ``"exec"`` (elsewhere, or
+    when ``COURSE_LAUNCH_START=exec``). Not macOS: its system libraries are not fork-safe."""
+    default = "forkserver" if sys.platform.startswith("linux") else "exec"
+    if os.environ.get("COURSE_LAUNCH_START", default) == "forkserver" \
+            and "forkserver" in multiprocessing.get_all_start_methods():
         return "forkserver"
     return "exec"
 

@@ -321,6 +321,8 @@ def test_tampered_test_cells_points_and_outputs_have_no_effect(tmp_path, offline
 @pytest.mark.parametrize("content, expected", [
     ("{not json", "not valid JSON"),
     ('{"hello": "world"}', "not a Jupyter notebook"),
+    ('{"nbformat": 4, "metadata": {}, "cells": [{"cell_type": "code", "metadata": {}}]}',
+     "not a valid notebook: cell 0"),
     (None, "none of the answer cells"),
 ])
 def test_unreadable_or_foreign_notebooks_get_a_clear_message(tmp_path, offline_env, content, expected):
