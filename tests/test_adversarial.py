@@ -146,7 +146,9 @@ def _skip_collective(rank, world_size):
 def allreduce(data):
     launch(_skip_collective, 2, timeout=4242, collective_timeout=4242, quiet=True)
 '''
-    report = run(make_submission(tmp_path, allreduce=deadlock), offline_env, "--only", "allreduce")
+    # 3 s per call: ranks forked from launch's fork server deadlock well within it
+    report = run(make_submission(tmp_path, allreduce=deadlock), offline_env, "--only", "allreduce",
+                 max_call_timeout=3)
     assert [r["status"] for r in report["results"]] == ["failed"] * 3
     assert report["score"] == 0
     assert "timed out" in messages(report, "allreduce")
