@@ -66,8 +66,13 @@ def device_for(rank: int) -> torch.device:
 
 def start_method() -> str:
     """How ranks start: ``"forkserver"`` (the default on Linux) or ``"exec"`` (elsewhere, or
-    when ``COURSE_LAUNCH_START=exec``). Not macOS: its system libraries are not fork-safe."""
-    default = "forkserver" if sys.platform.startswith("linux") else "exec"
+    when ``COURSE_LAUNCH_START=exec``). Not macOS: its system libraries are not fork-safe.
+    Not from a script run as ``python script.py`` either: multiprocessing would run the
+    script's top level again in every rank (unless it is guarded by ``if __name__ ==
+    "__main__":``). Notebooks, ``python -m ...`` and ``python -c ...`` are fine."""
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None) is not None and getattr(main, "__spec__", None) is None
+    default = "forkserver" if sys.platform.startswith("linux") and not script else "exec"
     if os.environ.get("COURSE_LAUNCH_START", default) == "forkserver" \
             and "forkserver" in multiprocessing.get_all_start_methods():
         return "forkserver"
