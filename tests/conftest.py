@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -76,3 +77,83 @@ def points_by_function(report: dict) -> dict[str, float]:
     for r in report["results"]:
         totals[r["function"]] = totals.get(r["function"], 0) + r["points"]
     return totals
+
+
+# ---------------------------------------------------------------- submissions made by the tests
+
+_MARKERS = re.compile(r"^[ \t]*### (BEGIN|END) SOLUTION[^\n]*\n?", re.M)
+
+
+def grade_id(cell) -> str | None:
+    return cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+
+
+def plant_bugs(nb, bugs: dict[str, tuple[str, str]]):
+    """In place: in the answer cell of each function, replace ``old`` by ``new`` (``bugs`` maps
+    function -> (old, new)); fails when a bug no longer applies to the reference."""
+    for function, (old, new) in bugs.items():
+        cell = next(c for c in nb.cells if grade_id(c) == function and c.cell_type == "code")
+        assert old in cell.source, f"the planted bug for {function} no longer applies"
+        cell.source = cell.source.replace(old, new)
+    return nb
+
+
+def paste_reference_answers(nb, source: Path) -> int:
+    """In place: the reference's code answers (markers removed) into ``nb``'s answer cells, as a
+    student who copied them would; returns how many cells were pasted."""
+    import nbformat
+
+    answers = {grade_id(c): c.source for c in nbformat.read(source, as_version=4).cells
+               if c.cell_type == "code" and c.metadata.get("nbgrader", {}).get("solution")}
+    pasted = 0
+    for cell in nb.cells:
+        if cell.cell_type == "code" and grade_id(cell) in answers:
+            cell.source = _MARKERS.sub("", answers[grade_id(cell)])
+            pasted += 1
+    return pasted
+
+
+# ------------------------------------------------------------------------- what a report shows
+
+def assert_full_marks(report: dict) -> None:
+    """Every point this machine can grade, and a reason for each skipped check."""
+    from autograder.harness import functions_of
+
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    assert report["score"] == report["max_score"] > 0, report["stdout"]
+    failed = [r for r in report["results"] if r["status"] == "failed"]
+    assert not failed, failed
+    skipped = [r for r in report["results"] if r["status"] == "skipped"]
+    assert all(r["message"] for r in skipped), "a skipped check must say why"
+    assert points_by_function(report).keys() == functions_of(report["assignment"]).keys()
+    assert "Total:" in report["stdout"] and "Hardware:" in report["stdout"]
+
+
+def assert_stubs_score_zero(report: dict) -> None:
+    """Zero, and every failure says NotImplementedError without a traceback."""
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    assert report["score"] == 0
+    assert report["max_score"] > 0
+    for r in report["results"]:
+        if r["status"] == "failed":
+            assert "NotImplementedError" in r["message"], r
+    assert "Traceback" not in report["stdout"]
+
+
+def assert_only_these_lose_points(report: dict, broken) -> None:
+    """The functions in ``broken`` (and their ``_speedup`` checks, which count only for correct
+    code) score zero with a message; every other function scores full unless all its checks
+    were skipped on this machine."""
+    from autograder.harness import functions_of
+
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    got, full = points_by_function(report), functions_of(report["assignment"])
+    assert got.keys() == full.keys()
+    broken = set(broken) | {f"{f}_speedup" for f in broken}
+    for name, points in full.items():
+        results = [r for r in report["results"] if r["function"] == name]
+        if name in broken:
+            assert got[name] == 0, (name, results)
+            assert all(r["status"] in ("failed", "skipped") and r["message"] for r in results), results
+        elif not all(r["status"] == "skipped" for r in results):
+            assert got[name] == points, (name, results)

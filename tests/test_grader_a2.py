@@ -15,7 +15,8 @@ import time
 import nbformat
 import pytest
 
-from conftest import REPO, grade, points_by_function
+from conftest import (REPO, assert_full_marks, assert_only_these_lose_points,
+                      assert_stubs_score_zero, grade, plant_bugs, points_by_function)
 
 SOURCE = REPO / "solutions" / "a2_ddp" / "ddp.ipynb"
 RELEASE = REPO / "assignments" / "a2_ddp" / "ddp.ipynb"
@@ -37,21 +38,10 @@ BUGS = {
 }
 
 
-def expected_full() -> dict[str, float]:
-    from autograder.harness import functions_of
-
-    return functions_of("a2_ddp")
-
-
 def with_bugs(tmp_path, *functions):
-    nb = nbformat.read(SOURCE, as_version=4)
-    for function in functions:
-        old, new = BUGS[function]
-        cell = next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == function)
-        assert old in cell.source, f"the planted bug for {function} no longer applies"
-        cell.source = cell.source.replace(old, new)
     path = tmp_path / "submission.ipynb"
-    nbformat.write(nb, path)
+    nbformat.write(plant_bugs(nbformat.read(SOURCE, as_version=4),
+                              {f: BUGS[f] for f in functions}), path)
     return path
 
 
@@ -65,14 +55,7 @@ def test_reference_solution_scores_full_marks(offline_env):
     # CPU seconds of the grader and everything it started: unlike the wall time, this hardly
     # depends on what else the machine runs. Two idle cores grade it in about half of it.
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    assert report["score"] == report["max_score"] > 0, report["stdout"]
-    failed = [r for r in report["results"] if r["status"] == "failed"]
-    assert not failed, failed
-    skipped = [r for r in report["results"] if r["status"] == "skipped"]
-    assert all(r["message"] for r in skipped), "a skipped check must say why"
-    assert points_by_function(report).keys() == expected_full().keys()
-    assert "Total:" in report["stdout"] and "Hardware:" in report["stdout"]
+    assert_full_marks(report)
     print(report["stdout"])
     print(f"graded in {seconds:.1f} s, {cpu:.1f} CPU seconds")
     assert cpu < 110, f"grading took {cpu:.1f} CPU seconds ({seconds:.1f} s)"
@@ -82,14 +65,10 @@ def test_reference_solution_scores_full_marks(offline_env):
 @pytest.mark.slow
 def test_released_stubs_score_zero_with_readable_messages(offline_env):
     report = grade(RELEASE, env=offline_env)
-    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    assert report["score"] == 0
-    assert report["max_score"] > 0
+    assert_stubs_score_zero(report)
     for r in report["results"]:
         if r["status"] == "failed":
-            assert "NotImplementedError" in r["message"], r
             assert "course/launch.py" not in r["message"], r
-    assert "Traceback" not in report["stdout"]
 
 
 @pytest.mark.slow
@@ -98,16 +77,7 @@ def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path)
     loses its points, and train_ddp, which calls make_dataloader and may call
     average_gradients, keeps all of its own (its check uses the reference helpers)."""
     leaves = ("average_gradients", "ring_allreduce", "make_dataloader")
-    report = grade(with_bugs(tmp_path, *leaves), env=offline_env)
-    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    got, full = points_by_function(report), expected_full()
-    assert got.keys() == full.keys()
-    for name in leaves:
-        results = [r for r in report["results"] if r["function"] == name]
-        assert got[name] == 0, results
-        assert all(r["status"] in ("failed", "skipped") and r["message"] for r in results), results
-    train = [r for r in report["results"] if r["function"] == "train_ddp"]
-    assert all(r["status"] == "skipped" for r in train) or got["train_ddp"] == full["train_ddp"], train
+    assert_only_these_lose_points(grade(with_bugs(tmp_path, *leaves), env=offline_env), leaves)
 
 
 @pytest.mark.slow

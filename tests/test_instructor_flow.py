@@ -20,7 +20,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from conftest import REPO
+from conftest import REPO, paste_reference_answers, plant_bugs
 from test_grader_a1 import BUGS
 
 NOTEBOOKS = {"a1_data_parallel": "data_parallel.ipynb", "a2_ddp": "ddp.ipynb",
@@ -83,17 +83,12 @@ def html_text(path: Path) -> str:
 
 
 def answered(assignment: str, release: Path) -> nbformat.NotebookNode:
-    """The released notebook with the reference's code answers pasted in (markers removed)
-    and alice's own written answer."""
-    answers = {meta(c)["grade_id"]: c for c in nbformat.read(source(assignment), as_version=4).cells
-               if meta(c).get("solution")}
+    """The released notebook with the reference's code answers pasted in and alice's own
+    written answer."""
     nb = nbformat.read(release, as_version=4)
+    assert paste_reference_answers(nb, source(assignment)) > 0
     for cell in nb.cells:
-        gid = meta(cell).get("grade_id")
-        if gid in answers and cell.cell_type == "code":
-            cell.source = re.sub(r"^[ \t]*### (BEGIN|END) SOLUTION[^\n]*\n?", "",
-                                 answers[gid].source, flags=re.M)
-        elif gid in answers:
+        if cell.cell_type == "markdown" and meta(cell).get("solution"):
             cell.source = ALICE_WRITES
     return nb
 
@@ -102,12 +97,7 @@ def submissions(assignment: str, release: Path) -> dict[str, nbformat.NotebookNo
     """What each student hands in for ``assignment`` (see the module docstring)."""
     handed_in = {"alice": answered(assignment, release), "bob": nbformat.read(release, as_version=4)}
     if assignment == "a1_data_parallel":
-        carol = answered(assignment, release)
-        old, new = BUGS["allreduce"]
-        cell = next(c for c in carol.cells if meta(c).get("grade_id") == "allreduce"
-                    and c.cell_type == "code")
-        assert old in cell.source, "the planted allreduce bug no longer applies"
-        cell.source = cell.source.replace(old, new)
+        carol = plant_bugs(answered(assignment, release), {"allreduce": BUGS["allreduce"]})
         dave = nbformat.read(release, as_version=4)
         next(c for c in dave.cells if meta(c).get("grade_id") == "copy_params").source = CHEAT
         handed_in.update(carol=carol, dave=dave)
