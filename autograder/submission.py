@@ -69,11 +69,13 @@ def read_notebook(path: str | Path) -> Node:
         raise SubmissionError(f"{path.name} is not a valid notebook: expected nbformat 4 with a "
                               f"list of cells, found nbformat {nb.get('nbformat')!r}")
     for i, cell in enumerate(nb.cells):
-        source = cell.get("source") if isinstance(cell, dict) else None
-        if isinstance(source, list) and all(isinstance(line, str) for line in source):
-            cell["source"] = source = "".join(source)
-        if not isinstance(source, str) or cell.get("cell_type") not in ("code", "markdown", "raw") \
-                or not isinstance(cell.setdefault("metadata", Node()), dict):
+        if not isinstance(cell, dict):
+            raise SubmissionError(f"{path.name} is not a valid notebook: cell {i} is not an object")
+        cell.setdefault("metadata", Node())
+        if isinstance(cell.get("source"), list) and all(isinstance(x, str) for x in cell.source):
+            cell["source"] = "".join(cell.source)  # the file stores a cell's source as lines
+        if not isinstance(cell.get("source"), str) or not isinstance(cell.metadata, dict) \
+                or cell.get("cell_type") not in ("code", "markdown", "raw"):
             raise SubmissionError(f"{path.name} is not a valid notebook: cell {i} is malformed "
                                   "(it needs a cell_type, a source and metadata)")
     return nb

@@ -79,19 +79,13 @@ def start_method() -> str:
     return "exec"
 
 
-_fork_server = None
-
-
 def _fork_server_context():
-    """The fork server, started once per process on first use. It imports torch and
-    torch.distributed and then only ever forks: no thread pool, no CUDA, nothing that a fork
-    could copy in a bad state."""
-    global _fork_server
-    if _fork_server is None:
-        _fork_server = multiprocessing.get_context("forkserver")
-        _fork_server.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle",
-                                             "course.launch"])
-    return _fork_server
+    """multiprocessing's fork server, which starts once per process on first use. It imports
+    torch and torch.distributed and then only ever forks: no thread pool, no CUDA, nothing that
+    a fork could copy in a bad state. (The preload list matters only when it starts.)"""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "course.launch"])
+    return context
 
 
 class _Rank:
