@@ -1,4 +1,5 @@
 # The two commands of the README: `make lab` (students) and `make test` (everyone, CI).
+# `make lab-instructor` is `make lab` with nbgrader's instructor tools (course/lab.py says why).
 # Both go through `make install`, which is idempotent: it creates .venv and installs the
 # project (the `course` toolkit and the `autograder`) with every requirement in pyproject.toml.
 PYTHON ?= python3
@@ -7,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PORT   ?= 8888
 
-.PHONY: install lab test grade bench student-edition clean
+.PHONY: install lab lab-instructor test grade bench student-edition clean
 
 install: $(STAMP)
 
@@ -18,8 +19,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (workshop)" >/dev/null
 	touch $(STAMP)
 
+# Students: no nbgrader tools, no news pop-up (course/lab_config/student, this server only).
 lab: install
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --port=$(PORT) $(LAB_ARGS)
+	$(PY) -m course.lab --ServerApp.root_dir=. --port=$(PORT) $(LAB_ARGS)
+
+# Instructors: the same with nbgrader's menu, Formgrader and Create Assignment.
+lab-instructor: install
+	$(PY) -m course.lab --instructor --ServerApp.root_dir=. --port=$(PORT) $(LAB_ARGS)
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite, every other
 # non-zero code is.
@@ -30,20 +36,35 @@ test: install
 grade: install
 	$(PY) -m autograder grade $(NB)
 
-# Measure the reference solutions on this machine (DDP weak scaling, ring vs all_reduce)
+# Measure the reference solutions on this machine (DDP weak scaling, ring vs all_reduce), then
+# dense vs tensor-parallel vs data-parallel MLP blocks on 2 and 4 processes (A5, lesson 13;
+# torch's own TP, no solution needed). BENCH_TP_ARGS="--hidden 256 512" for fewer sizes.
 bench: install
 	$(PY) -m autograder.bench $(BENCH_ARGS)
+	$(PY) -m autograder.bench_tp $(BENCH_TP_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
+# Every GPU path of the course and the grader on this machine: report in build/gpu-check/
+# (gpu-report.md and .json); exit 1 if something that should work here failed. Without a GPU
+# it says so and runs only its start-up checks. On a GPU machine, commit the report as
+# docs/gpu-report.md (README, "GPU verification"). GPU_CHECK_ARGS="--only lessons,grading".
+.PHONY: gpu-check
+gpu-check: install
+	$(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
+
 # ---------------------------------------------------------------- instructors (docs/instructor.md)
+# make lab-instructor               JupyterLab with nbgrader's tools (Formgrader, Create Assignment)
 # make release                      regenerate every assignments/<a>/ from solutions/<a>/ (nbgrader)
 # make student-edition              the student edition in $(EDITION_DIR)
-# make grade-folder                 grade $(SUBMISSIONS)/ into $(GRADES)/ on this machine [A=assignment]
+# make grade-folder                 grade $(SUBMISSIONS)/ into $(GRADES)/ on this machine [A=assignment] [JOBS=n]
 # make gradescope                   Gradescope bundles in $(GRADESCOPE_DIR)/ [A=assignment]
-# make docker-build / docker-lab    the GPU image / JupyterLab in it (docker-build-cpu, docker-lab-cpu)
+# make docker-build / docker-lab    the image / JupyterLab in it on the student's work folder; GPU or
+#                                   CPU variant picked by nvidia-smi (DOCKER_VARIANT=cpu|gpu to choose)
 # make docker-grade                 grade $(SUBMISSIONS)/ into $(GRADES)/ in the container, no network
+#                                   [REFERENCE=1: with solutions/, hidden from graded code]
+# make docker-smoke                 build the image and check grading and the lab in it (docker/smoke.py)
 IMAGE          ?= scale-pytorch
 EDITION_DIR    ?= build/student-edition
 SUBMISSIONS    ?= submissions
@@ -51,9 +72,21 @@ GRADES         ?= grades
 GRADESCOPE_DIR ?= build/gradescope
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 A              ?=
-COMPOSE        := COURSE_UID=$$(id -u) docker compose -f docker/compose.yaml
+# The Docker targets: the variant is gpu when nvidia-smi lists a GPU, else cpu. The containers run
+# as the calling user (root included), grade with every CPU of the host unless GRADE_CPUS says.
+DOCKER_VARIANT ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo gpu || echo cpu)
+DOCKER_BUILD_FLAGS ?=
+GRADE_CPUS     ?= $(shell nproc)
+COURSE_WORK_DIR ?= work
+REFERENCE      ?=
+COMPOSE_CMD    ?= $(shell docker compose version >/dev/null 2>&1 && echo 'docker compose' || echo docker-compose)
+COMPOSE        := COMPOSE_PROJECT_NAME=scale-pytorch COURSE_DOCKER_DIR=$(abspath docker) COURSE_UID=$$(id -u) COURSE_GID=$$(id -g) GRADE_CPUS=$(GRADE_CPUS) \
+                  COURSE_WORK_DIR=$(abspath $(COURSE_WORK_DIR)) TORCH_CPU_INDEX=$(TORCH_CPU_INDEX) \
+                  $(COMPOSE_CMD) -f docker/compose.yaml $(if $(filter gpu,$(DOCKER_VARIANT)),-f docker/compose.gpu.yaml) \
+                  $(if $(REFERENCE),-f docker/compose.reference.yaml)
 
-.PHONY: release grade-folder gradescope docker-build docker-build-cpu docker-lab docker-lab-cpu docker-grade docker-grade-cpu
+.PHONY: release grade-folder gradescope docker-variant docker-build docker-build-cpu docker-work docker-lab \
+	docker-lab-cpu docker-grade docker-grade-cpu docker-smoke
 
 release: install
 	@for dir in solutions/*/; do \
@@ -62,33 +95,41 @@ release: install
 	done
 
 student-edition: install
-	$(PY) -m autograder.edition $(EDITION_DIR) --force
+	$(PY) -m autograder edition $(EDITION_DIR) --force
 
 grade-folder: install
-	$(PY) -m autograder.batch $(SUBMISSIONS) $(GRADES) $(if $(A),--assignment $(A))
+	$(PY) -m autograder grade-folder $(SUBMISSIONS) $(GRADES) $(if $(A),--assignment $(A)) $(if $(JOBS),--jobs $(JOBS))
 
 gradescope: install
 	@for a in $(if $(A),$(A),$$(ls assignments)); do \
-	    $(PY) -m autograder.gradescope build --assignment $$a --out $(GRADESCOPE_DIR) || exit 1; \
+	    $(PY) -m autograder gradescope build --assignment $$a --out $(GRADESCOPE_DIR) || exit 1; \
 	done
 
-docker-build:
-	docker build -f docker/Dockerfile -t $(IMAGE):gpu --build-arg UID=$$(id -u) .
+docker-variant:
+	@if [ "$(DOCKER_VARIANT)" = gpu ]; then echo "docker: GPU variant ($(IMAGE):gpu; nvidia-smi lists a GPU)"; \
+	else echo "docker: CPU variant ($(IMAGE):cpu; no GPU listed by nvidia-smi; DOCKER_VARIANT=gpu to choose it)"; fi
 
-docker-build-cpu:
-	docker build -f docker/Dockerfile -t $(IMAGE):cpu --build-arg UID=$$(id -u) \
-	    --build-arg TORCH_INDEX=$(TORCH_CPU_INDEX) .
+docker-build: docker-variant
+	docker build $(DOCKER_BUILD_FLAGS) -f docker/Dockerfile -t $(IMAGE):$(DOCKER_VARIANT) \
+	    --build-arg TORCH_INDEX=$(if $(filter gpu,$(DOCKER_VARIANT)),,$(TORCH_CPU_INDEX)) .
 
-docker-lab:
+# The student's work folder: the student edition (no solutions/), made once, then theirs. It
+# needs git and nbformat: the project's venv where there is one, else $(PYTHON) with nbformat.
+docker-work:
+	@if [ -z "$$(ls -A $(COURSE_WORK_DIR) 2>/dev/null)" ]; then \
+	    $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m autograder edition $(COURSE_WORK_DIR) --force; \
+	else echo "docker: work folder $(COURSE_WORK_DIR) (kept as it is)"; fi
+
+docker-lab: docker-variant docker-work
 	$(COMPOSE) up lab
 
-docker-lab-cpu:
-	$(COMPOSE) up lab-cpu
-
-docker-grade:
+docker-grade: docker-variant
 	mkdir -p $(GRADES)
 	SUBMISSIONS=$(abspath $(SUBMISSIONS)) GRADES=$(abspath $(GRADES)) $(COMPOSE) run --rm grade
 
-docker-grade-cpu:
-	mkdir -p $(GRADES)
-	SUBMISSIONS=$(abspath $(SUBMISSIONS)) GRADES=$(abspath $(GRADES)) $(COMPOSE) run --rm grade-cpu
+docker-build-cpu docker-lab-cpu docker-grade-cpu:
+	$(MAKE) $(@:-cpu=) DOCKER_VARIANT=cpu
+
+docker-smoke:
+	$(PYTHON) docker/smoke.py --variant $(DOCKER_VARIANT) --torch-cpu-index '$(TORCH_CPU_INDEX)' \
+	    --build-flags '$(DOCKER_BUILD_FLAGS)'

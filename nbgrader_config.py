@@ -13,6 +13,8 @@ c.CourseDirectory.release_directory = "assignments"
 c.CourseDirectory.db_assignments = [{"name": "a1_data_parallel"}]
 c.CourseDirectory.db_assignments += [{"name": "a2_ddp"}]
 c.CourseDirectory.db_assignments += [{"name": "a3_model_pipeline"}]
+c.CourseDirectory.db_assignments += [{"name": "a4_sharding"}]
+c.CourseDirectory.db_assignments += [{"name": "a5_tensor_parallel"}]
 
 # Students see "raise NotImplementedError()" in their answer cells.
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
@@ -26,7 +28,7 @@ from nbconvert.preprocessors import ClearMetadataPreprocessor  # noqa: E402
 from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, Execute,  # noqa: E402
                                     IgnorePattern, LimitOutput, SaveAutoGrades)
 
-from autograder.nbgrader_plugin import DeferChecks, GradeInSandbox  # noqa: E402
+from autograder.integrations.nbgrader_plugin import DeferChecks, GradeInSandbox  # noqa: E402
 
 c.Autograde.autograde_preprocessors = [
     DeferChecks, Execute, GradeInSandbox, IgnorePattern, ClearMetadataPreprocessor,

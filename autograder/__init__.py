@@ -6,11 +6,20 @@
 """
 from __future__ import annotations
 
-__all__ = ["check"]
+__all__ = ["check", "CheckFailed"]
+
+
+class CheckFailed(AssertionError):
+    """Some checks of a function failed. In a notebook it shows as its message alone: the
+    failing cases, not the grader's own traceback (IPython renders ``_render_traceback_``)."""
+
+    def _render_traceback_(self):
+        return [f"CheckFailed: {self}"]
 
 
 def check(function: str, assignment: str | None = None, *, timeout: float = 600.0) -> None:
-    """Grade the notebook's current definitions for one function; raise AssertionError if any check fails.
+    """Grade the notebook's current definitions for one function; raise CheckFailed (an
+    AssertionError) if any check fails.
 
     The functions and classes defined in the calling notebook are serialised (cloudpickle)
     and graded by a fresh grader process, which runs them in a sandboxed child: nothing
@@ -19,58 +28,55 @@ def check(function: str, assignment: str | None = None, *, timeout: float = 600.
     which nbgrader would count as a failure.
     """
     import inspect
-    import json
     import os
-    import subprocess
-    import sys
     import tempfile
 
     import cloudpickle
 
-    from .assignments import for_function
+    from .checking.spec import functions_of
+    from .invoke import run_grader
+    from .registry import ASSIGNMENTS
+    from .results import FAILED, SKIPPED, result_lines
 
     if os.environ.get("AUTOGRADER_DEFER_CHECKS") == "1":
         print(f"{function}: graded by nbgrader's isolated grading run after the notebook ran")
         return None
-    assignment = assignment or for_function(function)
+    if assignment is None:
+        owners = [a for a in ASSIGNMENTS if function in functions_of(a)]
+        if len(owners) != 1:
+            raise CheckFailed(f"no assignment has a check named {function!r}" if not owners else
+                              f"{function!r} is checked in several assignments: {owners}; "
+                              "pass assignment=")
+        assignment = owners[0]
     caller = inspect.currentframe().f_back.f_globals
     module = caller.get("__name__", "__main__")
-    objects = {}
-    for name, obj in list(caller.items()):
-        if name.startswith("_") or getattr(obj, "__module__", None) != module:
-            continue
-        if inspect.isfunction(obj) or inspect.isclass(obj):
-            objects[name] = obj
+    objects = {name: obj for name, obj in list(caller.items())
+               if not name.startswith("_") and getattr(obj, "__module__", None) == module
+               and (inspect.isfunction(obj) or inspect.isclass(obj))}
+    try:
+        data = cloudpickle.dumps(objects)
+    except Exception as exc:
+        raise CheckFailed(f"your definitions could not be sent to the grader: {exc}") from None
     with tempfile.TemporaryDirectory(prefix="check-") as tmp:
-        pkl, report_path = os.path.join(tmp, "objects.pkl"), os.path.join(tmp, "report.json")
-        try:
-            data = cloudpickle.dumps(objects)
-        except Exception as exc:
-            raise AssertionError(f"your definitions could not be sent to the grader: {exc}") from None
+        pkl = os.path.join(tmp, "objects.pkl")
         with open(pkl, "wb") as f:
             f.write(data)
-        proc = subprocess.run(
-            [sys.executable, "-m", "autograder", "grade-objects", pkl, "--assignment", assignment,
-             "--only", function, "--report", report_path],
-            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-        if not os.path.exists(report_path):
-            raise AssertionError("the grader did not finish:\n" + (proc.stdout + proc.stderr)[-2000:])
-        with open(report_path) as f:
-            report = json.load(f)
-    results = report["results"]
+        run = run_grader(["grade-objects", pkl, "--assignment", assignment, "--only", function],
+                         timeout=timeout)
+    if run.report is None:
+        raise CheckFailed("the grader did not finish:\n" + run.output[-2000:])
+    results = run.report["results"]
     if not results:
-        raise AssertionError(f"no checks named {function!r} in {assignment}")
-    failed = []
+        raise CheckFailed(f"no checks named {function!r} in {assignment}")
     for r in results:
-        tag = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}[r["status"]]
-        print(f"{tag}  {r['name']}  ({r['points']:g}/{r['max_points']:g})"
-              + (f"\n      {r['message']}" if r["message"] else ""))
-        if r["status"] == "failed":
-            failed.append(r)
-    if any(r["status"] == "skipped" for r in results):
+        print("\n".join(result_lines(r)))
+    if any(r["status"] == SKIPPED for r in results):
         print("SKIP means this machine cannot measure it; no points were measured here, and "
               "the grade on the grading machine may differ.")
+    failed = [r for r in results if r["status"] == FAILED]
     if failed:
-        raise AssertionError(f"{len(failed)} of {len(results)} check(s) of {function} failed: "
-                             + "; ".join(f"{r['name']}: {r['message']}" for r in failed)[:3000])
+        raise CheckFailed(f"{len(failed)} of {len(results)} check(s) of {function} failed (seed "
+                          f"{run.report.get('seed')}): " + "; ".join(
+                              f"{r['name']}: {r['message'].splitlines()[0] if r['message'] else ''}"
+                              for r in failed)[:3000])
     print(f"{function}: all {len(results)} check(s) passed or skipped")

@@ -2,7 +2,9 @@
 solution achieves on this machine.
 
 Measures, with the reference ``train_ddp`` and ``ring_allreduce`` of ``solutions/a2_ddp`` (so
-it needs the instructor's repository) and the same in-rank timing code as the grader:
+it needs the instructor's repository) and the same ranks as the grader's speed checks
+(:func:`~autograder.assignments.a2_ddp.ranks.train_server`, :func:`~autograder.assignments.a2_ddp.ranks.ring_server`
+on a :class:`~autograder.checking.ranks.RankServer`, each command timed from this process):
 
 1. **weak scaling** of ``train_ddp``: examples per second on 1..N processes (GPUs on NCCL where
    there are enough, else CPU processes on gloo with one thread each), every process training
@@ -13,14 +15,12 @@ it needs the instructor's repository) and the same in-rank timing code as the gr
 
 Prints both tables and saves ``weak_scaling.png`` and ``allreduce_bandwidth.png`` in ``--out``.
 Use it to see what the speed checks can expect here: the grader passes a student at 80% of the
-reference's figure measured in the same run. Everything else running on the machine takes
+reference's figure measured in interleaved rounds of the same run. Everything else running on the machine takes
 cores away from the processes, and the numbers with them.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
 import statistics
 import sys
@@ -32,17 +32,13 @@ RING_SIZES = [4 ** k for k in range(5, 13)]  # 1K .. 16M elements
 
 def reference_functions() -> dict:
     """The reference solution's cells, executed here; exits with a message without them."""
-    from .speedup import reference_cells
+    from .checking.reference import reference_cells, reference_namespace
 
     cells = reference_cells(ASSIGNMENT)
     if cells is None:
         sys.exit("autograder.bench needs the reference solution in solutions/a2_ddp "
                  "(the instructor's repository), which this copy does not have.")
-    ns: dict = {"__name__": "__reference__"}  # not importable: sent to the ranks by value
-    with contextlib.redirect_stdout(io.StringIO()):  # the set-up cell's printout
-        for cell_id, source in cells:
-            exec(compile(source, f"<reference {cell_id}>", "exec"), ns)
-    return ns
+    return reference_namespace(cells)
 
 
 def default_max_procs() -> int:
@@ -56,42 +52,62 @@ def default_max_procs() -> int:
         return os.cpu_count() or 1
 
 
-def weak_scaling(train_ddp, max_procs: int, *, batch: int, steps: int, epochs: int,
-                 repeats: int, seed: int = 0) -> list[dict]:
-    """One row per process count: median seconds of a train_ddp call (its slowest rank),
-    examples per second, speedup over 1 process."""
-    from .checks.a2_ddp_ranks import rank_train_ddp, run_ranks
+def weak_scaling(train_ddp, max_procs: int, *, repeats: int, seed: int = 0) -> list[dict]:
+    """One row per process count: median seconds of a train_ddp call on every rank, examples
+    per second, speedup over 1 process."""
+    from .assignments.a2_ddp.checks import scaling_args
+    from .assignments.a2_ddp.ranks import train_server
+    from .checking.ranks import RankServer
+    from .checking.speed import timed
     from course.devices import gpu_count
 
     backend = "nccl" if gpu_count() >= max_procs >= 2 else "gloo"
     rows = []
     for w in range(1, max_procs + 1):
-        n = w * batch * steps
-        ranks = run_ranks(rank_train_ddp, w, train_ddp, "cnn", seed, n, epochs, batch, 0.05,
-                          repeats, backend=backend, timeout=600)
-        seconds = statistics.median(max(v) for v in zip(*(r["seconds"]["tested"] for r in ranks)))
-        examples = w * batch * steps * epochs
-        rows.append({"processes": w, "seconds": seconds, "examples_per_s": examples / seconds})
+        args = scaling_args(w, seed)
+        server = RankServer(train_server, train_ddp, w, *args, backend=backend)
+        try:
+            server.run("warmup")
+            seconds = statistics.median(timed(server.run, "train") for _ in range(repeats))
+        finally:
+            server.stop()
+        _, _, n, epochs, _, _ = args
+        rows.append({"processes": w, "seconds": seconds, "examples_per_s": n * epochs / seconds})
     for row in rows:
         row["speedup"] = row["examples_per_s"] / rows[0]["examples_per_s"]
     return rows
 
 
 def ring_bandwidth(ring_allreduce, procs: int, sizes, *, warmup: int, repeats: int) -> list[dict]:
-    """One row per size: median seconds of the ring and of dist.all_reduce (slowest rank of
-    each call), and the ring's speed as a fraction of all_reduce's."""
-    from .checks.a2_ddp_ranks import rank_ring_sizes, run_ranks
+    """One row per size: median seconds of the ring and of dist.all_reduce (called in turn,
+    each timed from here until every rank is done), and the ring's speed as a fraction of
+    all_reduce's."""
+    import torch
 
-    ranks = run_ranks(rank_ring_sizes, procs, ring_allreduce, 0, list(sizes), warmup, repeats,
-                      timeout=600)
+    from .assignments.a2_ddp.ranks import ring_input, ring_server
+    from .checking.ranks import RankServer
+    from .checking.speed import timed
+
+    server = RankServer(ring_server, ring_allreduce, procs, 0, list(sizes))
+    times: dict[int, dict[str, list]] = {}
+    try:
+        for n in sizes:
+            times[n] = {"ring": [], "all_reduce": []}
+            for i in range(warmup + repeats):
+                for name in times[n]:
+                    seconds = timed(server.run, f"{name}-{n}")
+                    if i >= warmup:
+                        times[n][name].append(seconds)
+    finally:
+        ranks = server.stop()
     rows = []
-    for n in sizes:
-        per_rank = [r[n] for r in ranks]
-        ring = statistics.median(max(v) for v in zip(*(r["seconds"]["tested"] for r in per_rank)))
-        builtin = statistics.median(
-            max(v) for v in zip(*(r["seconds"]["all_reduce"] for r in per_rank)))
+    for k, n in enumerate(sizes):
+        want = sum(ring_input(0, r, (n,), torch.float32) for r in range(procs))
+        error = max((r["tensors"][k]["value"] - want).abs().max().item() if n else 0.0
+                    for r in ranks)
+        ring, builtin = (statistics.median(times[n][name]) for name in ("ring", "all_reduce"))
         rows.append({"elements": n, "ring_s": ring, "all_reduce_s": builtin,
-                     "fraction": builtin / ring, "max_error": max(r["max_error"] for r in per_rank)})
+                     "fraction": builtin / ring, "max_error": error})
     return rows
 
 
@@ -144,10 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Processes: {where}; load average now {os.getloadavg()[0]:.1f} "
           f"(other programs running take cores away from the processes)\n")
 
-    from .checks.a2_ddp import SCALING_BATCH, SCALING_EPOCHS, SCALING_STEPS
+    from .assignments.a2_ddp.checks import SCALING_BATCH, SCALING_EPOCHS, SCALING_STEPS
 
-    scaling = weak_scaling(ns["train_ddp"], max_procs, batch=SCALING_BATCH, steps=SCALING_STEPS,
-                           epochs=SCALING_EPOCHS, repeats=args.repeats)
+    scaling = weak_scaling(ns["train_ddp"], max_procs, repeats=args.repeats)
     print(f"Weak scaling of train_ddp (the grader's small CNN, {SCALING_BATCH} examples per "
           f"process per step, {SCALING_STEPS * SCALING_EPOCHS} steps per call, median of "
           f"{args.repeats} calls):")

@@ -1,78 +1,118 @@
-"""``python -m autograder grade NOTEBOOK [--json results.json]``: grade one submission;
-``python -m autograder grade-folder SUBMISSIONS OUT``: grade a class (:mod:`autograder.batch`).
+"""``python -m autograder``: the grader's commands.
 
-The flow a newcomer can follow: :func:`autograder.submission.load_submission` (trusted
-notebook + the student's answer cells) -> :func:`autograder.harness.run_checks` (pytest, the
-student code in a sandboxed child) -> :mod:`autograder.report` (table, Gradescope JSON).
+- ``grade NOTEBOOK [--assignment A] [--only F,G] [--seed N] [--json results.json] [--report
+  report.json]``: grade one submission. The flow a newcomer can follow:
+  :func:`autograder.submission.load_submission` (trusted notebook + the student's answer cells)
+  -> :func:`autograder.checking.harness.run_checks` (pytest, the student code in a sandboxed
+  child) -> :mod:`autograder.report` (the table) and :mod:`autograder.results` (JSON shapes).
+- ``grade-folder SUBMISSIONS OUT [--jobs N] [--shard K/N]``: grade a class
+  (:mod:`autograder.integrations.batch`); ``merge OUT1 OUT2 ... --out OUT`` joins shards;
+  ``gradescope build|run`` (:mod:`~autograder.integrations.gradescope`); ``edition OUT`` (the
+  student edition, :mod:`~autograder.integrations.edition`).
+- ``calibrate [--assignment A]``: measure the reference's call times on this machine, from
+  which grading derives its call timeouts (:mod:`autograder.checking.timeouts`).
+- ``grade-objects``: internal, what ``check()`` in a notebook sends.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m autograder",
-                                description="Grade workshop assignments.")
+    p = argparse.ArgumentParser(prog="python -m autograder", description="Grade workshop assignments.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("grade", help="grade one submitted notebook")
     g.add_argument("notebook", help="the submitted .ipynb")
     g.add_argument("--assignment", help="assignment name (default: detected from the notebook)")
-    g.add_argument("--only", metavar="FUNCTIONS",
-                   help="grade only the checks of these functions (comma-separated)")
     g.add_argument("--json", metavar="PATH", help="write Gradescope results.json here")
-    g.add_argument("--report", metavar="PATH", help="write the full report as JSON here")
-    sub.add_parser("grade-folder", help="grade every notebook under SUBMISSIONS into OUT "
-                   "(grades.csv and per-student results): grade-folder SUBMISSIONS OUT "
-                   "[--assignment A] [--timeout S]", add_help=False)
+    sub.add_parser("grade-folder", add_help=False,
+                   help="grade every notebook under SUBMISSIONS into OUT (grades.csv and "
+                        "per-student results); see grade-folder --help")
+    sub.add_parser("merge", add_help=False,
+                   help="join the OUT folders of grade-folder --shard runs; see merge --help")
+    sub.add_parser("gradescope", add_help=False, help="Gradescope bundles: gradescope --help")
+    sub.add_parser("edition", add_help=False, help="the student edition: edition --help")
+    c = sub.add_parser("calibrate", help="time the reference solutions here (sets call timeouts)")
+    c.add_argument("--assignment", action="append", help="only these (default: all)")
     k = sub.add_parser("grade-objects", help="internal: grades what check() sends from a kernel")
     k.add_argument("pickle")
     k.add_argument("--assignment", required=True)
-    k.add_argument("--only")
-    k.add_argument("--report", metavar="PATH", required=True)
+    for cmd in (g, k):
+        cmd.add_argument("--only", metavar="FUNCTIONS",
+                         help="grade only the checks of these functions (comma-separated)")
+        cmd.add_argument("--seed", type=int, help="the inputs' seed (a report prints its own)")
+        cmd.add_argument("--report", metavar="PATH", help="write the full report as JSON here")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["grade-folder"]:  # SUBMISSIONS OUT [--assignment A] [--timeout S]
-        from .batch import main as grade_folder
+    if argv[:1] in (["grade-folder"], ["merge"], ["gradescope"], ["edition"]):
+        from .integrations import batch, edition, gradescope, merge
 
-        return grade_folder(argv[1:])
+        tool = {"grade-folder": batch, "merge": merge, "gradescope": gradescope,
+                "edition": edition}[argv[0]]
+        return tool.main(argv[1:])
     args = _parser().parse_args(argv)
-    from .harness import Report, run_checks
-    from .report import atomic_write, table, write_json
+    if args.command == "calibrate":
+        return calibrate(args.assignment)
+    from .checking.harness import run_checks
+    from .notebook import runnable_cells
+    from .registry import get
+    from .report import table
+    from .results import failure_results, gradescope, write_json
+    from .sandbox.isolation import reference_exposed
     from .submission import SubmissionError, load_submission
 
     if args.command == "grade":
         try:
+            if (why := reference_exposed()) is not None:
+                raise SubmissionError(f"grading refused: {why}")
             sub = load_submission(args.notebook, args.assignment)
         except SubmissionError as exc:
             print(f"Cannot grade {args.notebook}: {exc}\nScore: 0")
             if args.json:
-                atomic_write(args.json, json.dumps(
-                    {"score": 0, "output": f"Cannot grade this submission: {exc}", "tests": []}))
+                write_json(args.json, failure_results(f"Cannot grade this submission: {exc}"))
             if args.report:
-                atomic_write(args.report, json.dumps(
-                    {"assignment": args.assignment, "score": 0, "max_score": 0,
-                     "error": str(exc), "results": []}))
+                write_json(args.report, {"assignment": args.assignment, "score": 0,
+                                         "max_score": 0, "error": str(exc), "results": []})
             return 2
-        report = run_checks(sub.assignment, sub.cells, only=args.only, problems=sub.problems)
-    else:
-        objects = Path(args.pickle).read_bytes()
-        from .submission import cell_source, is_setup_cell, read_notebook
-        from .assignments import ASSIGNMENTS
-
-        trusted = read_notebook(ASSIGNMENTS[args.assignment].release)
-        setup = [("setup", cell_source(c)) for c in trusted.cells if is_setup_cell(c)]
-        report = run_checks(args.assignment, setup, objects=objects, only=args.only)
+        report = run_checks(sub.assignment, sub.cells, only=args.only, problems=sub.problems,
+                            seed=args.seed)
+    else:  # grade-objects: the kernel's own definitions, after the trusted set-up cells
+        setup = [c for c in runnable_cells(get(args.assignment).release) if c[0] == "setup"]
+        report = run_checks(args.assignment, setup, objects=Path(args.pickle).read_bytes(),
+                            only=args.only, seed=args.seed)
     print(table(report))
     if getattr(args, "json", None):
-        write_json(report, args.json)
+        write_json(args.json, gradescope(report))
     if args.report:
-        atomic_write(args.report, json.dumps(report.to_dict(), indent=2))
+        write_json(args.report, report.to_dict())
+    return 0
+
+
+def calibrate(names: list[str] | None) -> int:
+    """Grade each reference solution here and keep its calls' times (see timeouts.py)."""
+    from .checking import timeouts
+    from .invoke import run_grader
+    from .registry import ASSIGNMENTS
+
+    for name in names or list(ASSIGNMENTS):
+        a = ASSIGNMENTS[name]
+        if not a.source.exists():
+            print(f"{name}: no reference solution here (student edition?): not calibrated")
+            continue
+        run = run_grader(["grade", str(a.source), "--assignment", name], timeout=1800)
+        results = (run.report or {}).get("results") or []
+        if not results or any(r["status"] == "failed" for r in results):
+            print(f"{name}: the reference did not pass here; not calibrated\n{run.output[-1500:]}")
+            return 1
+        path = timeouts.save(name, {r["name"]: r["call_seconds"] for r in results})
+        slowest = max(results, key=lambda r: r["call_seconds"])
+        print(f"{name}: calibrated from {len(results)} checks in {run.seconds:.0f} s (longest "
+              f"call {slowest['call_seconds']:.2f} s in {slowest['name']}); saved in {path}")
     return 0
 
 

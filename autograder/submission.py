@@ -7,14 +7,14 @@ deleted test cells, changed points, new cells, outputs) has no effect on the gra
 """
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .notebook import (SubmissionError, answer_ids, cell_source, is_answer_cell, is_setup_cell,
+                       nbgrader_meta, read_notebook)
+from .registry import ASSIGNMENTS
 
-class SubmissionError(Exception):
-    """The file cannot be graded at all; the message says why, for the student."""
+__all__ = ["Submission", "SubmissionError", "detect", "load_submission", "merge"]
 
 
 @dataclass
@@ -22,75 +22,6 @@ class Submission:
     assignment: str
     cells: list[tuple[str, str]]          # (cell id, python source) in the order they run
     problems: list[str] = field(default_factory=list)  # notes for the report
-
-
-def nbgrader_meta(cell) -> dict:
-    return cell.get("metadata", {}).get("nbgrader", {}) or {}
-
-
-def is_answer_cell(cell) -> bool:
-    meta = nbgrader_meta(cell)
-    return cell.get("cell_type") == "code" and bool(meta.get("solution")) and "grade_id" in meta
-
-
-def is_setup_cell(cell) -> bool:
-    return cell.get("cell_type") == "code" and "setup" in cell.get("metadata", {}).get("tags", [])
-
-
-class Node(dict):
-    """A JSON object whose keys also read as attributes (``cell.source``), as nbformat's
-    NotebookNode. Reading a notebook needs no more than this and a shape check; importing
-    nbformat (its schema validator) would add a second to every grading run."""
-
-    def __getattr__(self, name):
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-
-def read_notebook(path: str | Path) -> Node:
-    """Read a notebook and check its shape; any problem becomes a readable SubmissionError."""
-    path = Path(path)
-    if not path.is_file():
-        raise SubmissionError(f"{path}: no such file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise SubmissionError(f"{path.name} is not a text file, so not a notebook") from None
-    try:
-        nb = json.loads(text, object_hook=Node)
-    except json.JSONDecodeError as exc:
-        raise SubmissionError(f"{path.name} is not valid JSON (line {exc.lineno}: {exc.msg}); "
-                              "was it saved completely?") from None
-    if not isinstance(nb, dict) or "cells" not in nb:
-        raise SubmissionError(f"{path.name} is JSON but not a Jupyter notebook (no 'cells')")
-    if nb.get("nbformat") != 4 or not isinstance(nb.cells, list):
-        raise SubmissionError(f"{path.name} is not a valid notebook: expected nbformat 4 with a "
-                              f"list of cells, found nbformat {nb.get('nbformat')!r}")
-    for i, cell in enumerate(nb.cells):
-        if not isinstance(cell, dict):
-            raise SubmissionError(f"{path.name} is not a valid notebook: cell {i} is not an object")
-        cell.setdefault("metadata", Node())
-        if isinstance(cell.get("source"), list) and all(isinstance(x, str) for x in cell.source):
-            cell["source"] = "".join(cell.source)  # the file stores a cell's source as lines
-        if not isinstance(cell.get("source"), str) or not isinstance(cell.metadata, dict) \
-                or cell.get("cell_type") not in ("code", "markdown", "raw"):
-            raise SubmissionError(f"{path.name} is not a valid notebook: cell {i} is malformed "
-                                  "(it needs a cell_type, a source and metadata)")
-    return nb
-
-
-_MAGIC = re.compile(r"^(\s*)([%!].*)$", re.MULTILINE)
-
-
-def cell_source(cell) -> str:
-    """A cell as plain Python: IPython magics and shell lines become no-op comments."""
-    return _MAGIC.sub(r"\1pass  # \2", cell.source)
-
-
-def answer_ids(nb) -> list[str]:
-    return [nbgrader_meta(c)["grade_id"] for c in nb.cells if is_answer_cell(c)]
 
 
 def merge(trusted, submitted, assignment: str) -> Submission:
@@ -120,15 +51,28 @@ def merge(trusted, submitted, assignment: str) -> Submission:
     return Submission(assignment, cells, problems)
 
 
+def detect(nb) -> str | None:
+    """The assignment whose answer-cell ids the notebook shares most."""
+    ids = {nbgrader_meta(c).get("grade_id") for c in nb.cells}
+    best, best_hits = None, 0
+    for name, a in ASSIGNMENTS.items():
+        if not a.release.exists():
+            continue
+        hits = len(ids & set(answer_ids(read_notebook(a.release))))
+        if hits > best_hits:
+            best, best_hits = name, hits
+    return best
+
+
 def load_submission(path: str | Path, assignment: str | None = None) -> Submission:
     """Read ``path`` and merge it into the trusted release of its assignment."""
-    from .assignments import ASSIGNMENTS, detect
-
     submitted = read_notebook(path)
     name = assignment or detect(submitted)
     if name is None:
         known = ", ".join(ASSIGNMENTS)
         raise SubmissionError(f"{Path(path).name} matches none of the assignments ({known}): "
                               "it has none of their answer cells")
+    if name not in ASSIGNMENTS:
+        raise SubmissionError(f"unknown assignment {name!r}; known: {', '.join(ASSIGNMENTS)}")
     trusted = read_notebook(ASSIGNMENTS[name].release)
     return merge(trusted, submitted, name)

@@ -87,3 +87,23 @@ def synchronize(devices=None) -> None:
     for d in {torch.device(d) for d in devices}:
         if d.type == "cuda":
             torch.cuda.synchronize(d)
+
+
+def cpu_bf16_ok() -> bool:
+    """Make bf16 matrix products safe on this CPU before any runs; True when they are.
+
+    Why: some virtual machines advertise AMX (``amx_tile`` in /proc/cpuinfo) without letting
+    processes use it, and oneDNN's bf16 kernels then die with "Illegal instruction", taking
+    the notebook's kernel down. A bf16 product in a throw-away process tells; if it dies, oneDNN
+    is capped below AMX (``ONEDNN_MAX_CPU_ISA``, read when oneDNN first runs, and inherited by
+    the processes ``course.launch`` starts), which keeps bf16 correct, only slower. Call it
+    before this process runs its first bf16 product."""
+    import subprocess
+    import sys
+
+    probe = ("import torch; a = torch.randn(64, 256, dtype=torch.bfloat16); "
+             "b = torch.nn.Linear(256, 64).bfloat16(); (a @ a.T).sum(); b(a).sum().backward()")
+    if subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0:
+        return True
+    os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0

@@ -25,6 +25,7 @@ import gc
 import io
 import multiprocessing
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -42,7 +43,22 @@ class LaunchError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (``--master_port 0`` does not work)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (``--master_port 0`` does not work).
+
+    With ``COURSE_PORTS=LO-HI`` (set by ``grade-folder --jobs`` for each job) the port comes
+    from that range only, so that jobs running side by side never race for the same port."""
+    lo_hi = os.environ.get("COURSE_PORTS", "")
+    if lo_hi:
+        lo, hi = (int(x) for x in lo_hi.split("-"))
+        start = random.randrange(lo, hi + 1)
+        for port in [*range(start, hi + 1), *range(lo, start)]:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+        raise OSError(f"no free port in COURSE_PORTS={lo_hi}")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -5,7 +5,8 @@
 #                                  rooted at $COURSE_WORK (default ~/work)
 #   grade [SUBMISSIONS [GRADES]]   grade every notebook in SUBMISSIONS (default /submissions)
 #                                  into GRADES (default /grades): grades.csv + per-student
-#                                  results (python -m autograder.batch)
+#                                  results (python -m autograder grade-folder; env ASSIGNMENT,
+#                                  GRADE_TIMEOUT, GRADE_JOBS, GRADE_SHARD=K/N)
 #   anything else                  run as a command: bash, python -m autograder grade NB, ...
 #
 # It also runs on a host (tests/test_docker.py does): COURSE_HOME (the repository, default: the
@@ -20,11 +21,14 @@ die() {
     exit 2
 }
 
-# Jupyter and matplotlib write under $HOME; an image run with another --user may not own it.
-if [ -z "${HOME:-}" ] || [ ! -w "${HOME}" ]; then
+# The image runs as any uid (compose and the docs pass --user "$(id -u):$(id -g)", root
+# included), so the uid may have no home and no name. Jupyter and matplotlib write under $HOME;
+# getpass.getuser() (Jupyter, torch's caches) reads $USER before the password database.
+if [ -z "${HOME:-}" ] || [ "${HOME}" = / ] || [ ! -w "${HOME}" ]; then
     export HOME="/tmp/home-$(id -u)"
     mkdir -p "$HOME"
 fi
+export USER="${USER:-$(id -un 2>/dev/null || echo "uid$(id -u)")}"
 
 # A fresh work folder gets the lessons and the released assignments. Files already there are
 # never overwritten, and a mounted clone of the repository (it has pyproject.toml) is left as is.
@@ -56,8 +60,11 @@ case "$mode" in
         work="${COURSE_WORK:-$HOME/work}"
         seed_work "$work"
         cd "$work"
+        root_args=()
+        # Root in the container is the host's root (a cloud instance's usual login): its files.
+        [ "$(id -u)" -eq 0 ] && root_args=(--allow-root)
         exec jupyter lab --ip 0.0.0.0 --no-browser --port "${PORT:-8888}" \
-            --ServerApp.root_dir="$work" "$@"
+            --ServerApp.root_dir="$work" "${root_args[@]}" "$@"
         ;;
     grade)
         submissions="${1:-${SUBMISSIONS_DIR:-/submissions}}"
@@ -72,8 +79,14 @@ case "$mode" in
         if [ -n "${GRADE_TIMEOUT:-}" ]; then
             args+=(--timeout "$GRADE_TIMEOUT")
         fi
+        if [ -n "${GRADE_JOBS:-}" ]; then      # notebooks at once (default: what the machine holds)
+            args+=(--jobs "$GRADE_JOBS")
+        fi
+        if [ -n "${GRADE_SHARD:-}" ]; then     # K/N: one slice of the class (merge joins them)
+            args+=(--shard "$GRADE_SHARD")
+        fi
         cd "$COURSE_HOME"
-        exec "$PYTHON" -m autograder.batch "${args[@]}"
+        exec "$PYTHON" -m autograder grade-folder "${args[@]}"
         ;;
     *)
         exec "$mode" "$@"

@@ -116,7 +116,7 @@ def test_infinite_loop_times_out_and_the_rest_is_graded(tmp_path, offline_env):
     weighted = REFERENCE["split_batch_weighted"].replace('"""\n', '"""\n    while True:\n        pass\n', 1)
     report = run(make_submission(tmp_path, split_batch_weighted=weighted), offline_env)
     assert_grade(report, split_batch_weighted=0)
-    assert "timed out after 6 s" in messages(report, "split_batch_weighted")
+    assert "did not return within 6 s" in messages(report, "split_batch_weighted")
 
 
 def test_small_fork_bomb_is_stopped(tmp_path, offline_env):
@@ -228,7 +228,7 @@ def copy_params(params, device):
 
 
 def test_reference_solution_cannot_be_read(tmp_path, offline_env):
-    from autograder.sandbox import namespaces_available
+    from autograder.sandbox.isolation import namespaces_available
 
     if not namespaces_available():
         pytest.skip("no user namespaces on this machine: the sandbox cannot hide solutions/")
@@ -338,3 +338,35 @@ def test_unreadable_or_foreign_notebooks_get_a_clear_message(tmp_path, offline_e
     assert report["returncode"] == 2
     assert expected in report["stdout"] and "Score: 0" in report["stdout"]
     assert "Traceback" not in report["stdout"] + report["stderr"]
+
+
+# ---------------------------------------------------------------- hangs fail fast
+
+HANGS = {
+    "infinite loop": "    while True:\n        pass\n",
+    "forked children that sleep": ("    import os, time\n"
+                                   "    for _ in range(3):\n"
+                                   "        if os.fork() == 0:\n"
+                                   "            time.sleep(4242)\n"
+                                   "            os._exit(0)\n"
+                                   "    os.wait()\n"),
+}
+
+
+@pytest.mark.parametrize("hang", list(HANGS))
+def test_hanging_function_fails_fast_and_the_rest_is_graded(hang, tmp_path, offline_env):
+    """With the spec's own call timeouts (no cap): the first call that hangs costs one timeout,
+    and the function's other checks fail at once with the same message."""
+    allreduce = REFERENCE["allreduce"].replace('"""\n', '"""\n' + HANGS[hang], 1)
+    tag = uuid.uuid4().hex
+    start = time.monotonic()
+    report = grade(make_submission(tmp_path, allreduce=allreduce),
+                   env={**offline_env, "AUTOGRADER_RUN_TAG": tag}, timeout=240)
+    seconds = time.monotonic() - start
+    assert_grade(report, allreduce=0)
+    failed = [r for r in report["results"] if r["function"] == "allreduce"]
+    assert len(failed) == 3 and all("did not return within" in r["message"] for r in failed)
+    assert sum(r["seconds"] for r in failed[1:]) < 1, failed  # not called again
+    assert seconds < 45, f"grading took {seconds:.0f} s"
+    time.sleep(0.5)
+    assert not leftovers(tag), f"processes left behind: {leftovers(tag)}"

@@ -176,7 +176,7 @@ def _env(offline_env, **extra) -> dict:
 
 @pytest.mark.slow
 def test_entrypoint_grades_a_folder(offline_env, tmp_path):
-    from autograder.harness import functions_of
+    from autograder.checking.spec import functions_of
 
     subs = tmp_path / "submissions"
     (subs / "alice").mkdir(parents=True)
@@ -248,7 +248,7 @@ def test_entrypoint_runs_other_commands(offline_env):
 def test_batch_timeout_kills_the_whole_grading_tree(offline_env, tmp_path, monkeypatch):
     import nbformat
 
-    from autograder.batch import TIMEOUT, grade_one
+    from autograder.integrations.batch import TIMEOUT, grade_one
 
     for key in ("COURSE_DATA", "COURSE_OFFLINE", "PATH"):
         monkeypatch.setenv(key, offline_env[key])
@@ -292,9 +292,13 @@ def test_healthcheck_asks_jupyter_api():
 
 # ---------------------------------------------------------------- compose
 
+def _load(name: str) -> dict:
+    return yaml.safe_load((DOCKER / name).read_text())
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict:
-    return yaml.safe_load(COMPOSE.read_text())
+    return _load("compose.yaml")
 
 
 def _gpus(service: dict) -> list[dict]:
@@ -307,48 +311,70 @@ def _volume(spec: str) -> list[str]:
     return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", spec).split(":")
 
 
-def test_compose_lab_service(compose):
+def _default(value: str) -> str:
+    return re.sub(r"\$\{\w+:?-([^}]*)\}", r"\1", str(value))
+
+
+def test_compose_lab_service_runs_without_gpus_as_the_host_user(compose):
     lab = compose["services"]["lab"]
-    assert lab["command"] == ["lab"]
-    gpus = _gpus(lab)
-    assert gpus and gpus[0]["driver"] == "nvidia" and "gpu" in gpus[0]["capabilities"]
-    assert any(p.endswith(":8888") for p in lab["ports"])
-    assert any(_volume(v)[1] == "/home/student/work" for v in lab["volumes"])
-    assert lab["build"]["context"] == ".."
+    assert lab["command"] == ["lab"] and not _gpus(lab), "the base file must run on CPU-only hosts"
+    assert lab["image"] == "scale-pytorch:cpu"
+    assert _default(lab["build"]["args"]["TORCH_INDEX"]) == CPU_INDEX
+    assert re.fullmatch(r"\$\{COURSE_UID:-1000\}:\$\{COURSE_GID:-1000\}", lab["user"])
+    assert any(p.endswith(":8888") and p.startswith("127.0.0.1:") for p in lab["ports"])
+    assert lab["cap_drop"] == ["ALL"] and "no-new-privileges:true" in lab["security_opt"]
     assert (DOCKER / lab["build"]["context"] / lab["build"]["dockerfile"]).resolve() == DOCKERFILE
     assert int(re.sub(r"\D", "", str(lab["shm_size"]))) >= 1
 
 
+def test_compose_lab_mounts_the_work_folder_never_the_repository(compose):
+    """Issue 16.5: the students' lab must not list solutions/ (the repository root has it)."""
+    mounts = [_volume(v) for v in compose["services"]["lab"]["volumes"]]
+    assert [m[1] for m in mounts] == ["/home/student/work"]
+    source = (DOCKER / mounts[0][0]).resolve()
+    assert source != REPO and not (source / "solutions").exists()
+    assert source == REPO / "work", "the default work folder is the one make docker-work fills"
+
+
 def test_compose_grade_service(compose):
     grade = compose["services"]["grade"]
-    assert grade["command"][0] == "grade"
-    assert grade["network_mode"] == "none"
-    assert grade["cpus"] and grade["mem_limit"] and grade.get("pids_limit")
-    assert grade["read_only"] is True and grade["cap_drop"] == ["ALL"]
+    assert grade["command"] == ["grade", "/submissions", "/grades"]
+    assert grade["network_mode"] == "none" and not _gpus(grade)
+    assert _default(grade["cpus"]) == "0", "default: every CPU of the host (0 = no limit)"
+    assert grade["mem_limit"] and grade.get("pids_limit") and grade["user"] == compose["services"]["lab"]["user"]
+    assert grade["read_only"] is True and grade["cap_drop"] == ["ALL"] and "cap_add" not in grade
     volumes = {_volume(v)[1]: v for v in grade["volumes"]}
     for target in ("/opt/course/autograder", "/opt/course/assignments", "/opt/course/course"):
         assert volumes[target].endswith(":ro"), f"grader files must be read-only: {target}"
     assert volumes["/submissions"].endswith(":ro")
     assert "/grades" in volumes and not volumes["/grades"].endswith(":ro")
-    assert _gpus(grade), "speedup checks need the GPUs"
     assert "/opt/course/solutions" not in volumes, "solutions only with compose.reference.yaml"
     for spec in grade["volumes"]:
         if _volume(spec)[1].startswith("/opt/course"):
             assert (DOCKER / _volume(spec)[0]).exists(), spec
-    assert grade["command"][1:] == ["/submissions", "/grades"]
 
 
-def test_compose_cpu_variant(compose):
-    services = compose["services"]
-    cpu = [s for s in services.values() if s.get("build", {}).get("args", {}).get("TORCH_INDEX")]
-    assert cpu and all(s["build"]["args"]["TORCH_INDEX"] == CPU_INDEX for s in cpu)
-    assert all(not _gpus(s) for s in cpu)
-    commands = {s["command"][0] for s in cpu}
-    assert commands == {"lab", "grade"}
-    assert all(s.get("profiles") for s in cpu), "CPU services are opt-in (a profile)"
+def test_compose_gpu_override_adds_the_gpus_and_the_cuda_image(compose):
+    gpu = _load("compose.gpu.yaml")["services"]
+    assert set(gpu) == set(compose["services"])
+    for service in gpu.values():
+        devices = _gpus(service)
+        assert devices and devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+        assert service["image"] == "scale-pytorch:gpu" and service["build"]["args"]["TORCH_INDEX"] == ""
 
 
-def test_compose_reference_override_mounts_solutions_read_only():
-    ref = yaml.safe_load((DOCKER / "compose.reference.yaml").read_text())
-    for name in ("grade", "grade-cpu"):
-        assert "../solutions:/opt/course/solutions:ro" in ref["services"][name]["volumes"]
+def test_compose_reference_override_hides_solutions_with_least_privilege():
+    grade = _load("compose.reference.yaml")["services"]["grade"]
+    assert "../solutions:/opt/course/solutions:ro" in grade["volumes"]
+    opts = grade["security_opt"]
+    assert "seccomp=unconfined" not in opts and "systempaths=unconfined" in opts
+    assert "no-new-privileges:true" in opts
+    assert grade["cap_add"] == ["SETFCAP"], "root's uid map needs CAP_SETFCAP, nothing more"
+    profile_opt = next(o for o in opts if o.startswith("seccomp="))
+    profile = json.loads((DOCKER / _default(profile_opt.split("=", 1)[1])).read_text())
+    assert profile["defaultAction"] == "SCMP_ACT_ALLOW"
+    denied = {n for rule in profile["syscalls"] if rule["action"] == "SCMP_ACT_ERRNO"
+              for n in rule["names"]}
+    assert {"bpf", "kexec_load", "init_module", "keyctl", "perf_event_open", "userfaultfd",
+            "io_uring_setup", "process_vm_readv", "open_by_handle_at"} <= denied
+    assert not denied & {"unshare", "mount", "umount2", "clone"}, "the sandbox needs these"

@@ -51,7 +51,7 @@ def fragments(region: str) -> list[str]:
 def edition(tmp_path_factory) -> Path:
     """The edition of the working tree (new, not yet committed files included)."""
     out = tmp_path_factory.mktemp("edition") / "scale-pytorch-student"
-    proc = subprocess.run([sys.executable, "-m", "autograder.edition", str(out),
+    proc = subprocess.run([sys.executable, "-m", "autograder", "edition", str(out),
                            "--include-untracked"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -100,7 +100,7 @@ def test_edition_has_no_solutions_nor_instructor_files(edition):
     assert not (edition / "docs" / "instructor.md").exists()
     assert not list(edition.rglob("*hidden*"))
     for needed in ("README.md", "Makefile", "pyproject.toml", A1, "course/__init__.py",
-                   "autograder/checks/a1_data_parallel.py", "docker/Dockerfile"):
+                   "autograder/assignments/a1_data_parallel/checks.py", "docker/Dockerfile"):
         assert (edition / needed).is_file(), f"{needed} missing from the edition"
 
 
@@ -122,7 +122,7 @@ def test_no_solution_text_anywhere_in_the_edition(edition):
 
 def test_leak_search_finds_a_planted_leak(edition, tmp_path):
     """The search above is not vacuous: a copied region is found, and the builder refuses it."""
-    from autograder.edition import leaks, solution_regions as builder_regions
+    from autograder.integrations.edition import leaks, solution_regions as builder_regions
 
     region = solution_regions()[1]
     planted = tmp_path / "copy"
@@ -143,7 +143,7 @@ def test_readme_tells_students_what_differs(edition):
 
 
 def test_default_build_takes_committed_files_only(tmp_path):
-    from autograder.edition import build
+    from autograder.integrations.edition import build
 
     repo = tmp_path / "repo"
     (repo / "course").mkdir(parents=True)
@@ -166,9 +166,11 @@ def test_default_build_takes_committed_files_only(tmp_path):
 # ---------------------------------------------------------------- self-check still works
 
 def test_reference_is_absent_and_speedup_says_fixed_threshold(edition, edition_python):
-    code = ("from autograder.speedup import reference_cells, judge\n"
+    code = ("from autograder.checking.reference import reference_cells\n"
+            "from autograder.checking.speed import judge_rounds\n"
             "assert reference_cells('a1_data_parallel') is None\n"
-            "try:\n    judge(1.0, None, 1.3, 'train_batch on 2 GPUs')\n"
+            "try:\n    judge_rounds(lambda i: (1.0, None), what='train_batch on 2 GPUs',\n"
+            "                 fixed_threshold=1.3, reference_minimum=1.1, has_reference=False)\n"
             "except AssertionError as e:\n    print(e)\n")
     proc = subprocess.run([str(edition_python), "-c", code], cwd=edition, capture_output=True,
                           text=True, timeout=120)

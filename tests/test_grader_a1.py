@@ -46,3 +46,20 @@ def test_planted_bug_loses_exactly_that_functions_points(function, offline_env, 
     path = tmp_path / "submission.ipynb"
     nbformat.write(plant_bugs(nbformat.read(SOURCE, as_version=4), {function: BUGS[function]}), path)
     assert_only_these_lose_points(grade(path, env=offline_env), [function])
+
+
+@pytest.mark.slow
+def test_seed_repeats_a_grade(offline_env, tmp_path):
+    """A report names its seed; --seed with it repeats the same inputs (the failure messages
+    quote them), so a regrade reproduces a grade."""
+    path = tmp_path / "submission.ipynb"
+    nbformat.write(plant_bugs(nbformat.read(SOURCE, as_version=4),
+                              {"allreduce": BUGS["allreduce"]}), path)
+    first = grade(path, "--only", "allreduce", env=offline_env)
+    again = grade(path, "--only", "allreduce", "--seed", str(first["seed"]), env=offline_env)
+    other = grade(path, "--only", "allreduce", "--seed", str(first["seed"] + 1), env=offline_env)
+    assert f"Seed: {first['seed']}" in first["stdout"]
+    messages = [[r["message"] for r in rep["results"]] for rep in (first, again, other)]
+    assert all("seed" in m for m in messages[0]), messages[0]
+    assert messages[0] == messages[1]
+    assert messages[0] != messages[2]

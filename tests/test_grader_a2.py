@@ -5,7 +5,8 @@ Each grading run starts dozens of processes (every rank imports torch), so the b
 three functions that call no other are planted together in one run: ``train_ddp`` uses
 ``make_dataloader`` and may use ``average_gradients``, and keeps its full points with those
 bugs, because the grader runs it with the reference versions of those helpers. The bug in
-``train_ddp`` itself is graded with ``--only train_ddp``.
+``train_ddp`` itself is graded with ``--only train_ddp``, and the sabotage of the speed check's
+reference with ``--only ring_allreduce``.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 import nbformat
 import pytest
 
+from autograder.checking.spec import functions_of
 from conftest import (REPO, assert_full_marks, assert_only_these_lose_points,
                       assert_stubs_score_zero, grade, plant_bugs, points_by_function)
 
@@ -87,3 +89,64 @@ def test_training_without_gradient_sync_loses_train_ddps_points(offline_env, tmp
     assert {r["function"] for r in report["results"]} == {"train_ddp"}
     assert points_by_function(report)["train_ddp"] == 0, report["results"]
     assert all(r["status"] in ("failed", "skipped") and r["message"] for r in report["results"])
+
+
+# A slow but correct ring: the reference's, with a sleep in every call and the originals of
+# isend/irecv kept for its own use (so that it still works when torch.distributed is patched).
+SLOW_RING = [  # (text in the reference ring's cell, replacement)
+    ("    world, rank = dist.get_world_size(), dist.get_rank()\n",
+     "    PATCH\n    time.sleep(0.25)\n    world, rank = dist.get_world_size(), dist.get_rank()\n"),
+    ("dist.P2POp(dist.isend, s, right)", "dist.P2POp(_ISEND, s, right)"),
+    ("dist.P2POp(dist.irecv, r, left)", "dist.P2POp(_IRECV, r, left)"),
+    ("    return pending\n", """    return pending
+
+
+_ISEND, _IRECV = dist.isend, dist.irecv
+
+
+def _delay_point_to_point():
+    \"\"\"On the first call: torch.distributed's send, recv, isend and irecv wait first. Code
+    that runs next in the same process with dist.P2POp(dist.isend, ...) fails (P2POp accepts
+    torch's own isend and irecv only), and any other point-to-point code slows down.\"\"\"
+    if getattr(dist, "_delayed", False):
+        return
+    def delayed(f):
+        def wrapper(*args, **kwargs):
+            time.sleep(0.05)
+            return f(*args, **kwargs)
+        return wrapper
+    for name in ("send", "recv", "isend", "irecv"):
+        setattr(dist, name, delayed(getattr(dist, name)))
+    dist._delayed = True
+"""),
+]
+
+
+def slow_ring(tmp_path, patch: bool):
+    nb = nbformat.read(SOURCE, as_version=4)
+    for old, new in SLOW_RING:
+        new = new.replace("PATCH", "_delay_point_to_point()" if patch else "pass")
+        plant_bugs(nb, {"ring_allreduce": (old, new)})
+    path = tmp_path / f"slow_ring_{'patched' if patch else 'plain'}.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.mark.slow
+def test_patching_point_to_point_does_not_touch_the_reference_ring(offline_env, tmp_path):
+    """The bandwidth check's reference ring runs in processes of its own: a submission that
+    patches torch.distributed's point-to-point functions scores what the same slow ring scores
+    without the patch (its correctness points kept, the bandwidth's not earned)."""
+    reports = {patch: grade(slow_ring(tmp_path, patch), "--only", "ring_allreduce",
+                            env=offline_env) for patch in (False, True)}
+    full = functions_of("a2_ddp")["ring_allreduce"]
+    for patch, report in reports.items():
+        assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+        status = {r["name"]: r["status"] for r in report["results"]}
+        assert status["ring_allreduce_two_processes"] == "passed", report["stdout"]
+        assert status["ring_allreduce_one_three_four_processes_awkward_sizes"] == "passed", \
+            report["stdout"]
+        assert status["ring_allreduce_bandwidth"] != "passed", report["stdout"]
+        assert points_by_function(report)["ring_allreduce"] < full, report["stdout"]
+    assert reports[True]["score"] == reports[False]["score"], \
+        (reports[True]["stdout"], reports[False]["stdout"])

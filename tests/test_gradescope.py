@@ -19,7 +19,7 @@ SOLUTION = REPO / "solutions" / ASSIGNMENT / "data_parallel.ipynb"
 
 def build(tmp_path: Path, *extra: str) -> Path:
     out = tmp_path / "bundle"
-    proc = subprocess.run([sys.executable, "-m", "autograder.gradescope", "build",
+    proc = subprocess.run([sys.executable, "-m", "autograder", "gradescope", "build",
                            "--assignment", ASSIGNMENT, "--out", str(out), *extra],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -35,7 +35,7 @@ def test_bundle_contents(tmp_path):
         assert script in names
         assert (infos[script].external_attr >> 16) & stat.S_IXUSR, f"{script} not executable"
     assert f"assignments/{ASSIGNMENT}/data_parallel.ipynb" in names
-    assert f"autograder/checks/{ASSIGNMENT}.py" in names and "autograder/cli.py" in names
+    assert f"autograder/assignments/{ASSIGNMENT}/checks.py" in names and "autograder/cli.py" in names
     assert "pyproject.toml" in names and "course/devices.py" in names
     assert not [n for n in names if n.startswith(("solutions/", "tests/")) or "/." in n
                 or n.startswith(".") or "__pycache__" in n]

@@ -1,7 +1,9 @@
-"""Every lesson notebook runs top to bottom in quick mode on CPU (nbclient, offline, tiny data)."""
+"""Every lesson notebook runs top to bottom in quick mode on CPU (nbclient, offline, tiny data), has
+the parts every lesson must have, and hands out no assignment's answer."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -23,3 +25,50 @@ def test_lesson_runs_in_quick_mode(path, offline_env, monkeypatch):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors
+
+
+def _markdown(path: Path) -> str:
+    return "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown")
+
+
+def _numbered_items(text: str) -> int:
+    return len(re.findall(r"^\d+\. ", text, flags=re.MULTILINE))
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=[p.stem for p in LESSONS])
+def test_lesson_has_goals_time_exercises_and_reading(path):
+    """Every lesson opens with learning goals and a time estimate, and ends with 2-4 exercises
+    (answered in docs/instructor-answers.md) and further reading; it is committed without outputs."""
+    text = _markdown(path)
+    assert "**Learning goals.**" in text and "**Time:**" in text
+    assert "## Exercises" in text and "## Further reading" in text
+    exercises = text.split("## Exercises", 1)[1].split("## Further reading", 1)[0]
+    count = _numbered_items(exercises)
+    assert 2 <= count <= 4, count
+    reading = text.split("## Further reading", 1)[1]
+    assert reading.count("\n- ") >= 2
+    answers = (REPO / "docs" / "instructor-answers.md").read_text()
+    number = path.stem.split("_", 1)[0]
+    section = re.search(rf"^## {number} .*?(?=^## |\Z)", answers, flags=re.MULTILINE | re.DOTALL)
+    assert section, f"no answers for lesson {number}"
+    assert _numbered_items(section.group(0)) == count
+    nb = nbformat.read(path, as_version=4)
+    assert not [c for c in nb.cells if c.cell_type == "code" and c.get("outputs")]
+
+
+def test_no_lesson_states_the_bubble_formula_that_a3_asks_for():
+    """Assignment 3 asks for the bubble fraction: no lesson may state it."""
+    for path in LESSONS:
+        flat = re.sub(r"[\s$]", "", "\n".join(c.source for c in nbformat.read(path, as_version=4).cells))
+        for formula in ("(p-1)/(m+p-1)", r"\frac{p-1}{m+p-1}", "m/(m+p-1)", r"\frac{m}{m+p-1}"):
+            assert formula not in flat, (path.name, formula)
+
+
+def test_no_lesson_writes_a4s_functions():
+    """Assignment 4 asks for these: the module 4 lessons use PyTorch's own tools instead."""
+    names = ("assign_buckets", "BucketedDDP", "shard_bounds", "ShardedOptimizer", "ShardedLinear",
+             "model_state_bytes", "comm_bytes_per_step", "apply_fsdp")
+    for path in LESSONS:
+        code = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
+        for name in names:
+            assert not re.search(rf"^\s*(def|class)\s+{name}\b", code, flags=re.MULTILINE), (path.name, name)

@@ -1,0 +1,389 @@
+"""Checks for Assignment 4: memory and sharding.
+
+Graded functions (see the notebook for their specifications): ``assign_buckets``,
+``shard_bounds``, ``model_state_bytes``, ``comm_bytes_per_step`` (called here, in the sandbox,
+on cases from the run's seed and on the contracts' corner cases) and ``ShardedOptimizer``
+(started on 1, 2 and 3 processes; what each runs is in ``ranks.py``). Every expectation is
+computed here, in the grader, from the released contracts (``expected.py``); the collectives
+are logged by the grader's own hooks on the process group, never reported by the student.
+Points and call timeouts: ``spec.py``.
+"""
+from __future__ import annotations
+
+import torch
+
+from autograder.checking.expect import assert_close, sequence, tensor
+
+from . import expected
+from .judging import (judge_value_errors, judge_values, runs_per_world_size, seeded_rng,
+                      zero_sizes)
+from .probes import probe_bucketed_ddp, probe_sharded_linear, probe_sharded_optimizer
+from .spec import SPEC
+
+graded = SPEC.graded
+ASSIGNMENT = SPEC.assignment
+
+
+# ---------------------------------------------------------------------------- assign_buckets
+
+@graded
+def test_assign_buckets_reverse_order_and_size_rule(student):
+    rng, seed = seeded_rng()
+    cases = [(([3, 0, 5, 2, 10], 16), {}), (([], 8), {}), (([0, 0, 0], 4), {}),
+             (([2, 2, 2, 2], 16), {}), (([100, 1, 1], 8), {}), (([1, 1, 100], 8), {}),
+             (([3, 3, 0, 1], 12), {}), (([7], 1), {}), (([1, 2, 3, 4, 5], 10), {"element_size": 2}),
+             (([4, 4, 4], 64), {"element_size": 8}), (([5, 5, 5], 20), {"element_size": 4})]
+    for _ in range(6):  # sizes from the run's seed: no zero after an over-full bucket
+        numels = [rng.randint(1, 60) for _ in range(rng.randint(1, 30))]
+        cases.append(((numels, rng.choice([8, 40, 100, 256, 1000])),
+                      {"element_size": rng.choice([1, 2, 4, 8])}))
+    want = [expected.buckets(a[0], a[1], k.get("element_size", 4)) for a, k in cases]
+    judge_values(student, "assign_buckets", cases, want, seed)
+
+
+@graded
+def test_assign_buckets_rejects_non_positive_bucket_bytes(student):
+    judge_value_errors(student, "assign_buckets",
+                        [(([1, 2], 0), {}), (([1, 2], -4), {}), (([], 0), {})])
+
+
+# ---------------------------------------------------------------------------- shard_bounds
+
+@graded
+def test_shard_bounds_ceil_chunks_and_empty_shards(student):
+    rng, seed = seeded_rng()
+    sizes = [(10, 3), (0, 1), (0, 4), (1, 4), (4, 3), (7, 7), (5, 8), (100, 1), (9, 4),
+             (10 ** 12 + 1, 7), (10 ** 12, 4096)]
+    sizes += [(rng.randint(0, 10 ** 6), rng.randint(1, 64)) for _ in range(6)]
+    cases = []
+    for numel, world in sizes:
+        ranks = range(world) if world <= 16 else sorted({0, 1, world // 2, world - 2, world - 1})
+        cases += [((numel, world, r), {}) for r in ranks]
+    want = [expected.shard(*args) for args, _ in cases]
+    judge_values(student, "shard_bounds", cases, want, seed, pair=True)
+
+
+@graded
+def test_shard_bounds_rejects_invalid_arguments(student):
+    judge_value_errors(student, "shard_bounds", [((10, 0, 0), {}), ((10, -1, 0), {}),
+                                                  ((10, 3, 3), {}), ((10, 3, -1), {}),
+                                                  ((0, 1, 1), {})])
+
+
+# ---------------------------------------------------------------------------- ZeRO's bytes
+
+@graded
+def test_model_state_bytes_every_stage_and_precision(student):
+    rng, seed = seeded_rng()
+    cases = [((p, w), {"stage": s, "mixed_precision": m}) for p, w in zero_sizes(rng)
+             for s in range(4) for m in (False, True)]
+    want = [expected.state_bytes(*a, k["stage"], k["mixed_precision"]) for a, k in cases]
+    judge_values(student, "model_state_bytes", cases, want, seed)
+
+
+@graded
+def test_model_state_bytes_rejects_invalid_arguments(student):
+    judge_value_errors(student, "model_state_bytes", [
+        ((10, 0), {"stage": 1, "mixed_precision": False}),
+        ((10, -2), {"stage": 0, "mixed_precision": True}),
+        ((10, 2), {"stage": 4, "mixed_precision": False}),
+        ((10, 2), {"stage": -1, "mixed_precision": True})])
+
+
+@graded
+def test_comm_bytes_per_step_every_stage(student):
+    rng, seed = seeded_rng()
+    cases = []
+    for p, w in zero_sizes(rng):
+        for s in range(4):
+            cases.append(((p, w), {"stage": s}))
+            cases.append(((p, w), {"stage": s, "element_size": rng.choice([1, 2, 4, 8])}))
+    want = [expected.comm_bytes(*a, k["stage"], k.get("element_size", 4)) for a, k in cases]
+    judge_values(student, "comm_bytes_per_step", cases, want, seed)
+
+
+@graded
+def test_comm_bytes_per_step_rejects_invalid_arguments(student):
+    judge_value_errors(student, "comm_bytes_per_step", [
+        ((10, 0), {"stage": 1}), ((10, -1), {"stage": 3}), ((10, 2), {"stage": 4}),
+        ((10, 2), {"stage": -1, "element_size": 2})])
+
+
+# ---------------------------------------------------------------------------- ShardedOptimizer
+
+OPT_CASES = [("mlp", "SGD", {"lr": 0.1, "momentum": 0.9}),
+             ("mlp", "AdamW", {"lr": 0.01, "weight_decay": 0.1}),
+             ("tiny", "AdamW", {"lr": 0.05}),
+             ("tiny", "SGD", {"lr": 0.1, "momentum": 0.5})]
+OPT_STEPS, OPT_PER_RANK = 3, 3
+#: Allowed python-level collective names inside step(): the reduce-scatter and all-gather
+#: families (one may call the other); anything else (an all-reduce) is not what step() does.
+_ALLOWED = ("reduce_scatter", "all_gather", "REDUCE_SCATTER", "ALLGATHER")
+
+
+def _optimizer_runs(student) -> tuple[int, dict]:
+    return runs_per_world_size(student, "opt", probe_sharded_optimizer, "shard_bounds", OPT_CASES, OPT_STEPS,
+                 OPT_PER_RANK)
+
+
+def _each(student):
+    """(world size, rank, case index, case, reply) of every rank of every run."""
+    seed, runs = _optimizer_runs(student)
+    for world, ranks in runs.items():
+        assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
+        for rank, replies in enumerate(ranks):
+            assert isinstance(replies, list) and len(replies) == len(OPT_CASES), \
+                "the probe's reply was tampered with"
+            for i, (case, reply) in enumerate(zip(OPT_CASES, replies)):
+                yield seed, world, rank, i, case, reply
+
+
+def _where(world, rank, case) -> str:
+    kind, name, kwargs = case
+    return f"{world} rank(s), rank {rank}, {name}({kwargs}) on the {kind} model"
+
+
+@graded
+def test_sharded_optimizer_matches_one_process(student):
+    firsts = {}
+    for seed, world, rank, i, case, r in _each(student):
+        kind, name, kwargs = case
+        where = _where(world, rank, case)
+        assert all(g is True for g in r["grads_none"]), \
+            f"{where}: after step(), some param.grad is not None"
+        want = expected.one_process(kind, seed + i, name, kwargs, OPT_STEPS, OPT_PER_RANK, world)
+        params = sequence(r["params"], f"{where}: the parameters", len(want))
+        got = [tensor(d, "parameter")["value"] for d in params]
+        for j, (g, w) in enumerate(zip(got, want)):
+            # float64 sums in another order stray by ~1e-16 relative; 1e-9 leaves room for
+            # AdamW's division, and still catches any real difference (a missing mean: ~1e-1)
+            assert_close(g, w, f"{where}: parameter {j} after {OPT_STEPS} steps (vs {name} in "
+                         "one process on the full batches)", rtol=1e-9, atol=1e-12, seed=seed)
+        first = firsts.setdefault((world, i), got)
+        assert all(torch.equal(a, b) for a, b in zip(got, first)), \
+            f"{where}: the parameters differ from rank 0's (they must be identical)"
+
+
+@graded
+def test_sharded_optimizer_state_bytes_per_rank(student):
+    for seed, world, rank, i, case, r in _each(student):
+        kind, name, kwargs = case
+        where = _where(world, rank, case)
+        assert r["is_optimizer"] is True, \
+            f"{where}: .optimizer should be a torch.optim.{name}, got {r['optimizer']}"
+        numel = sum(p.numel() for p in expected.seeded_model(kind, 0).parameters())
+        start, end = expected.shard(numel, world, rank)
+        assert r["owned"] == end - start, (
+            f"{where}: .optimizer holds {r['owned']} element(s); rank {rank} owns "
+            f"shard_bounds({numel}, {world}, {rank}) = ({start}, {end})")
+        want = (end - start) * expected.optimizer_state_per_element(name, kwargs) * 8
+        assert r["state_bytes"] == want, (
+            f"{where}: .optimizer's state tensors hold {r['state_bytes']} bytes, expected {want} "
+            f"({end - start} float64 element(s) of shard times the state per element)")
+
+
+@graded
+def test_sharded_optimizer_one_reduce_scatter_one_all_gather_per_step(student):
+    for seed, world, rank, i, case, r in _each(student):
+        if world < 2:
+            continue  # counts are graded on 2 or more ranks only
+        kind, name, kwargs = case
+        where = _where(world, rank, case)
+        numel = sum(p.numel() for p in expected.seeded_model(kind, 0).parameters())
+        padded = world * -(-numel // world)
+        for step, (log, counted) in enumerate(zip(r["sized"], r["counted"])):
+            ops = sorted(op for op, _, _ in log)
+            assert ops == ["ALLGATHER", "REDUCE_SCATTER"], (
+                f"{where}, step {step + 1}: step() issued {ops or 'no collective'} on the default "
+                "process group; expected exactly one reduce-scatter and one all-gather")
+            rs = next(x for x in log if x[0] == "REDUCE_SCATTER")
+            ag = next(x for x in log if x[0] == "ALLGATHER")
+            assert rs[1] == padded and ag[2] == padded, (
+                f"{where}, step {step + 1}: the reduce-scatter's input has {rs[1]} element(s) "
+                f"and the all-gather's output {ag[2]}; both should be the padded flat buffer "
+                f"({padded} = {world} x ceil({numel} / {world}))")
+            other = sorted(k for k, v in counted.items() if v and not any(a in k for a in _ALLOWED))
+            assert not other, f"{where}, step {step + 1}: step() also called {', '.join(other)}"
+
+
+# ---------------------------------------------------------------------------- BucketedDDP
+
+#: (model shape (width, depth, with an unused parameter), bucket bytes): several buckets of
+#: float64 gradients, parameter 0 in the last one; the second case leaves parameter 2 unused.
+DDP_CASES = [((6, 4, False), 400), ((5, 3, True), 256)]
+DDP_STEPS, DDP_PER_RANK, DDP_LR = 3, 2, 0.1
+
+
+def _ddp_each(student, cases):
+    """(seed, world, rank, case index, step, that step's reply, expected gradients, buckets
+    as (indices, elements))."""
+    seed, runs = runs_per_world_size(student, "ddp", probe_bucketed_ddp, "assign_buckets", DDP_CASES,
+                       DDP_STEPS, DDP_PER_RANK, DDP_LR)
+    for world, ranks in runs.items():
+        assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
+        for i in cases:
+            shape, bucket_bytes = DDP_CASES[i]
+            want, numels = expected.one_process_ddp(seed + 101 * i, shape, DDP_STEPS,
+                                                    DDP_PER_RANK, world, DDP_LR)
+            buckets = [(b, sum(numels[j] for j in b))
+                       for b in expected.buckets(numels, bucket_bytes, 8)]
+            for rank, replies in enumerate(ranks):
+                assert isinstance(replies, list) and len(replies) == len(DDP_CASES) and all(
+                    isinstance(r, list) and len(r) == DDP_STEPS for r in replies), \
+                    "the probe's reply was tampered with"
+                for step, reply in enumerate(replies[i]):
+                    yield seed, world, rank, i, step, reply, want[step], buckets
+
+
+def _judge_ddp_grads(student, cases):
+    for seed, world, rank, i, step, reply, want, _ in _ddp_each(student, cases):
+        where = f"{world} rank(s), rank {rank}, model {i + 1}, step {step + 1}"
+        grads = sequence(reply["grads"], f"{where}: the gradients", len(want))
+        for j, (d, w) in enumerate(zip(grads, want)):
+            if w is None:
+                assert d.get("kind") == "tensor", (
+                    f"{where}: parameter {j} got no gradient in this step; after "
+                    f"finish_gradient_synchronization() its .grad should be zeros, got "
+                    f"{d.get('value') if d.get('kind') == 'plain' else d.get('kind')}")
+            g = tensor(d, f"{where}: gradient {j}")["value"]
+            assert_close(g, torch.zeros_like(g) if w is None else w,
+                         f"{where}: gradient {j} after finish_gradient_synchronization() (vs the "
+                         "full-batch gradient in one process)", rtol=1e-9, atol=1e-12, seed=seed)
+
+
+@graded
+def test_bucketed_ddp_gradients_match_one_process(student):
+    _judge_ddp_grads(student, [0])
+
+
+@graded
+def test_bucketed_ddp_unused_parameter_counts_as_zeros(student):
+    _judge_ddp_grads(student, [1])
+
+
+@graded
+def test_bucketed_ddp_one_all_reduce_per_bucket_in_bucket_order(student):
+    for seed, world, rank, i, step, reply, _, buckets in _ddp_each(student, [0, 1]):
+        if world < 2:
+            continue  # counts are graded on 2 or more ranks only
+        where = f"{world} rank(s), rank {rank}, model {i + 1}, step {step + 1}"
+        log = [e for e in reply["events"] if len(e) == 3]
+        got = [(op, n) for op, n, _ in log]
+        want = [("ALLREDUCE", n) for _, n in buckets]
+        assert got == want, (
+            f"{where}: forward, backward and finish_gradient_synchronization() issued "
+            f"{got or 'no collective'} on the default process group; expected one all-reduce "
+            "per bucket, in bucket order, "
+            f"of each bucket's elements: {want} (buckets {[b for b, _ in buckets]})")
+        other = sorted(k for k, v in reply["counted"].items()
+                       if v and "all_reduce" not in k and "ALLREDUCE" not in k)
+        assert not other, f"{where}: it also called {', '.join(other)}"
+
+
+@graded
+def test_bucketed_ddp_first_all_reduce_before_parameter_0_gradient(student):
+    for seed, world, rank, i, step, reply, _, buckets in _ddp_each(student, [0]):
+        if world < 2:
+            continue
+        assert len(buckets) > 1 and 0 not in buckets[0][0]  # the case can show overlap
+        where = f"{world} rank(s), rank {rank}, step {step + 1}"
+        kinds = [e[0] for e in reply["events"]]
+        assert "grad of parameter 0" in kinds, \
+            f"{where}: the gradient of parameter 0 was never computed"
+        first = kinds.index("ALLREDUCE") if "ALLREDUCE" in kinds else len(kinds)
+        assert first < kinds.index("grad of parameter 0"), (
+            f"{where}: the first all-reduce was issued after the gradient of parameter 0 was "
+            "computed: launch each bucket during backward, as soon as its gradients are in")
+
+
+# ---------------------------------------------------------------------------- ShardedLinear
+
+#: (in, out, bias, batch, input needs grad): sizes not divisible by 2 or 3, no bias, an input
+#: without gradient; every input and output holds fewer elements than the weight.
+LINEAR_CASES = [(7, 5, True, 3, True), (6, 4, False, 2, False), (5, 3, True, 2, True)]
+
+
+def _linear_each(student):
+    """(seed, world, rank, case, reply, what every rank must see) of every rank and case."""
+    seed, runs = runs_per_world_size(student, "linear", probe_sharded_linear, "shard_bounds", LINEAR_CASES)
+    for world, ranks in runs.items():
+        assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
+        for i, case in enumerate(LINEAR_CASES):
+            want = expected.linear_case(seed + i, case, world)
+            for rank, replies in enumerate(ranks):
+                assert isinstance(replies, list) and len(replies) == len(LINEAR_CASES), \
+                    "the probe's reply was tampered with"
+                yield seed, world, rank, case, replies[i], want
+
+
+def _shard_param(reply, where: str, key: str):
+    params = sequence(reply[key], f"{where}: the layer's parameters")
+    assert len(params) == 1, f"{where}: the layer should have one parameter (its shard), has {len(params)}"
+    return tensor(params[0], f"{where}: the shard")["value"]
+
+
+def _linear_where(world, rank, case):
+    in_f, out_f, bias, batch, needs = case
+    return (f"{world} rank(s), rank {rank}, ShardedLinear({in_f}, {out_f}, bias={bias}) on "
+            f"{batch} inputs{'' if needs else ' that need no gradient'}")
+
+
+@graded
+def test_sharded_linear_outputs_and_gradients_match_dense(student):
+    for seed, world, rank, case, r, want in _linear_each(student):
+        where = _linear_where(world, rank, case)
+        close = dict(rtol=1e-10, atol=1e-12, seed=seed)
+        assert_close(tensor(r["output"], f"{where}: the output")["value"], want["outputs"][rank],
+                     f"{where}: the output (vs nn.Linear with the same full values)", **close)
+        if case[4]:
+            assert_close(tensor(r["input_grad"], f"{where}: the input's gradient")["value"],
+                         want["input_grads"][rank], f"{where}: the input's gradient", **close)
+        grads = sequence(r["grads"], f"{where}: the parameters' gradients")
+        assert len(grads) == 1, f"{where}: the layer should have one parameter (its shard)"
+        assert_close(tensor(grads[0], f"{where}: the shard's gradient")["value"],
+                     want["grads"][rank], f"{where}: the shard's gradient (vs the slice of the "
+                     "mean over ranks of the dense gradients)", **close)
+
+
+@graded
+def test_sharded_linear_stores_its_shard_initialised_like_nn_linear(student):
+    for seed, world, rank, case, r, want in _linear_each(student):
+        where = _linear_where(world, rank, case)
+        start, end = want["bounds"][rank]
+        initial = _shard_param(r, where, "initial")
+        assert initial.numel() == end - start, (
+            f"{where}: the layer stores {initial.numel()} element(s); its shard is "
+            f"shard_bounds({want['numel']}, {world}, {rank}) = ({start}, {end})")
+        assert torch.equal(initial.reshape(-1), want["initial"][rank]), (
+            f"{where}: the initial shard differs from the slice of nn.Linear({case[0]}, "
+            f"{case[1]}, bias={case[2]}) under the same random state (seed {seed})")
+
+
+@graded
+def test_sharded_linear_two_all_gathers_one_reduce_scatter(student):
+    for seed, world, rank, case, r, want in _linear_each(student):
+        if world < 2:
+            continue  # counts are graded on 2 or more ranks only
+        where = _linear_where(world, rank, case)
+        padded = world * -(-want["numel"] // world)
+        ops = sorted((op, i if op == "REDUCE_SCATTER" else o) for op, i, o in r["sized"])
+        expect = [("ALLGATHER", padded), ("ALLGATHER", padded), ("REDUCE_SCATTER", padded)]
+        assert ops == expect, (
+            f"{where}: forward and backward issued {ops or 'no collective'} (op, elements of the "
+            f"padded vector) on the default process group; expected {expect}")
+
+
+@graded
+def test_sharded_linear_keeps_no_full_weight_between_forward_and_backward(student):
+    for seed, world, rank, case, r, want in _linear_each(student):
+        if world < 2:
+            continue  # one rank's shard is the whole layer
+        where = _linear_where(world, rank, case)
+        limit = want["weight_numel"]
+        saved = [n for n in r["saved"] if n >= limit]
+        assert not saved, (f"{where}: forward saved for backward a tensor of {max(saved)} "
+                           f"elements, as large as the full weight ({limit}): free it and "
+                           "gather it again in backward")
+        assert r["alive"] < limit, (
+            f"{where}: after forward a tensor of {r['alive']} elements (as large as the full "
+            f"weight, {limit}) is still alive: free the gathered vector after use")

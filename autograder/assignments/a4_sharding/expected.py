@@ -1,0 +1,122 @@
+"""Assignment 4's expectations, computed in the grader from the released contracts (not from
+the student's code): bucket assignment, shard bounds, ZeRO's bytes, and one-process training
+with the same optimizer on the full batch."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .ranks import make_data, seeded_model, step_rows
+
+
+def buckets(numels: list[int], bucket_bytes: int, element_size: int) -> list[list[int]]:
+    """The contract's walk: last index first; a new bucket iff the current one is not empty and
+    its bytes plus the next parameter's exceed ``bucket_bytes``."""
+    out: list[list[int]] = []
+    current, size = [], 0
+    for i in range(len(numels) - 1, -1, -1):
+        b = numels[i] * element_size
+        if current and size + b > bucket_bytes:
+            out.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += b
+    return out + ([current] if current else [])
+
+
+def shard(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    c = -(-numel // world_size)
+    start = min(rank * c, numel)
+    return start, min(start + c, numel)
+
+
+def state_bytes(num_params: int, world_size: int, stage: int, mixed: bool) -> int:
+    per = (2, 2, 12) if mixed else (4, 4, 8)
+    c = -(-num_params // world_size)
+    held = [c if stage >= s else num_params for s in (3, 2, 1)]  # params, grads, state
+    return sum(b * n for b, n in zip(per, held))
+
+
+def comm_bytes(num_params: int, world_size: int, stage: int, element_size: int) -> int:
+    k = 3 if stage == 3 else 2
+    return (k * (world_size - 1) * num_params * element_size) // world_size
+
+
+#: float64 state elements per parameter element of each case's optimizer (SGD with momentum
+#: keeps one buffer, AdamW two moments); :func:`optimizer_state_per_element` checks the kwargs.
+def optimizer_state_per_element(optimizer_name: str, kwargs: dict) -> int:
+    if optimizer_name == "SGD":
+        assert kwargs.get("momentum", 0) > 0
+        return 1
+    assert optimizer_name == "AdamW" and not kwargs.get("amsgrad", False)
+    return 2
+
+
+def one_process(kind: str, seed: int, optimizer_name: str, kwargs: dict, steps: int,
+                per_rank: int, world_size: int) -> list[torch.Tensor]:
+    """The parameters after ``steps`` steps of ``optimizer_name`` in one process on each step's
+    full batch (float64): what every rank's sharded training must equal."""
+    model = seeded_model(kind, seed)
+    X, y = make_data(kind, seed, steps * per_rank * world_size)
+    opt = getattr(torch.optim, optimizer_name)(model.parameters(), **kwargs)
+    for step in range(steps):
+        rows = step_rows(step, per_rank, world_size)
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(X[rows]), y[rows]).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def one_process_ddp(seed: int, shape, steps: int, per_rank: int, world_size: int, lr: float
+                    ) -> tuple[list[list[torch.Tensor | None]], list[int]]:
+    """(each step's gradients of the managed parameters in one process on the full batch, with
+    rank 0's model and the same SGD between steps; the managed parameters' sizes)."""
+    from .ranks import ddp_model, ddp_seed
+
+    width, depth, unused = shape
+    model = ddp_model(ddp_seed(seed, 0), width, depth, unused)
+    managed = [p for p in model.parameters() if p.requires_grad]
+    X, y = (torch.randn(steps * per_rank * world_size, width, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(seed + i)) for i in (1, 2))
+    out = []
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        rows = step_rows(step, per_rank, world_size)
+        F.mse_loss(model(X[rows]), y[rows]).backward()
+        out.append([None if p.grad is None else p.grad.detach().clone() for p in managed])
+        with torch.no_grad():
+            for p in managed:
+                if p.grad is not None:
+                    p -= lr * p.grad
+    return out, [p.numel() for p in managed]
+
+
+def linear_case(seed: int, case, world_size: int) -> dict:
+    """What every rank of a ShardedLinear case must see: its initial shard (``nn.Linear`` under
+    ``torch.manual_seed(seed)`` in float64), each rank's output and input gradient, and each
+    rank's slice of the mean over ranks of the dense weight and bias gradients."""
+    from .ranks import linear_inputs, linear_values
+
+    in_f, out_f, bias, batch, _ = case
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(seed)
+        dense = torch.nn.Linear(in_f, out_f, bias)
+    finally:
+        torch.set_default_dtype(default)
+    flat_init = torch.cat([t.detach().reshape(-1) for t in dense.parameters()])
+    weight, b = linear_values(seed, in_f, out_f, bias)
+    outputs, input_grads, grads = [], [], []
+    for rank in range(world_size):
+        x, grad_out = linear_inputs(seed, rank, batch, in_f, out_f)
+        outputs.append(F.linear(x, weight, b))
+        input_grads.append(grad_out @ weight)
+        parts = [(grad_out.T @ x).reshape(-1)] + ([grad_out.sum(0)] if bias else [])
+        grads.append(torch.cat(parts))
+    mean = torch.stack(grads).mean(0)
+    numel = flat_init.numel()
+    bounds = [shard(numel, world_size, r) for r in range(world_size)]
+    return {"numel": numel, "weight_numel": in_f * out_f, "bounds": bounds,
+            "initial": [flat_init[s:e] for s, e in bounds], "outputs": outputs,
+            "input_grads": input_grads, "grads": [mean[s:e] for s, e in bounds]}

@@ -1,0 +1,83 @@
+"""How Assignment 4's checks judge plain answers (ints, pairs, lists of indices, ValueErrors)
+that probes bring back from calls in the sandbox, the sizes the byte counts are graded on, and
+the multi-process runs the classes' checks share; runs in the grader."""
+from __future__ import annotations
+
+import random
+
+from autograder.checking.expect import fresh_generator
+from autograder.checking.reference import reference_cells
+
+from .probes import probe_calls
+from .spec import SPEC
+
+
+def seeded_rng() -> tuple[random.Random, int]:
+    """A Python generator from the run's seed (cases change every run; --seed repeats them)."""
+    _, seed = fresh_generator()
+    return random.Random(seed), seed
+
+
+def plain(desc, what: str):
+    """A described int, or list/tuple of them (nested), back as plain Python; anything else
+    fails with what it was."""
+    assert isinstance(desc, dict), f"{what}: the probe's reply was tampered with"
+    if desc.get("kind") in ("list", "tuple"):
+        return [plain(d, what) for d in desc["items"]]
+    value = desc.get("value")
+    if desc.get("kind") == "plain" and type(value) is int:
+        return value
+    got = desc.get("type") or type(value).__name__ if desc.get("kind") != "tensor" else "a tensor"
+    raise AssertionError(f"{what} should be made of ints, got {got}")
+
+
+def call_cases(student, name: str, cases) -> list:
+    replies = student.call(probe_calls, name, cases)
+    assert isinstance(replies, list) and len(replies) == len(cases), \
+        f"{name}: the probe's reply was tampered with"
+    return replies
+
+
+def show(name: str, args, kwargs) -> str:
+    shown = [repr(a) if not isinstance(a, list) or len(a) < 12 else f"[{len(a)} sizes]"
+             for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    return f"{name}({', '.join(shown)})"
+
+
+def judge_values(student, name: str, cases, want: list, seed: int, *, pair: bool = False):
+    for (args, kwargs), reply, w in zip(cases, call_cases(student, name, cases), want):
+        call = show(name, args, kwargs)
+        assert "returned" in reply, f"{call} raised {reply.get('raised')}: {reply.get('message')}"
+        got = plain(reply["returned"], f"{call}'s result")
+        if pair:
+            assert reply["returned"].get("kind") in ("tuple", "list") and len(got) == 2, \
+                f"{call} should return a pair (start, end), got {got!r}"
+            got = tuple(got)
+        assert got == w, f"{call} returned {got!r}, expected {w!r} (cases from seed {seed})"
+
+
+def judge_value_errors(student, name: str, cases):
+    for (args, kwargs), reply in zip(cases, call_cases(student, name, cases)):
+        call = show(name, args, kwargs)
+        if "returned" in reply:
+            raise AssertionError(f"{call} returned instead of raising ValueError")
+        assert reply.get("is_value_error") is True, \
+            f"{call} raised {reply.get('raised')}, expected ValueError"
+
+
+def zero_sizes(rng) -> list[tuple[int, int]]:
+    """(parameters, world size) pairs for the byte counts: up to 10**12, empty, uneven."""
+    params = [0, 1, 7, 10, 1_000_003, 10 ** 12, 10 ** 12 + 3, rng.randint(1, 10 ** 9)]
+    worlds = [1, 2, 3, 8, rng.randint(4, 1024)]
+    return [(p, w) for p in params for w in worlds]
+
+
+def runs_per_world_size(student, key: str, probe, helper: str, *args) -> tuple[int, dict]:
+    """(seed, {world size: the ranks' replies}) of one run per world size (1, 2, 3) of ``probe``
+    with the reference's ``helper`` where at hand, shared by a class's checks; a failure is
+    remembered and fails each of them alike."""
+    def run():
+        _, seed = fresh_generator()
+        helpers = reference_cells(SPEC.assignment, ["setup", helper])
+        return seed, {w: student.call(probe, w, seed, *args, helpers) for w in (1, 2, 3)}
+    return student.shared(key, run)

@@ -1,0 +1,73 @@
+"""Assignment 4's probes: they run in the sandbox beside the student's code, call the student's
+functions here or start them on N fresh processes (what each process runs is in :mod:`.ranks`),
+and describe what came back (no judging here).
+"""
+from __future__ import annotations
+
+from autograder.checking.probes import describe, reference_helpers, student_function
+
+from .ranks import (rank_bucketed_ddp_cases, rank_sharded_linear, rank_sharded_optimizer,
+                    run_ranks_keeping_results)
+from .spec import SPEC
+
+
+#: Functions with keyword-only arguments: not bound against the spec's (positional) parameters
+#: here; a call with the wrong ones fails with the student's own TypeError.
+KEYWORD_ONLY = ("model_state_bytes", "comm_bytes_per_step")
+
+
+def _lookup(ns, name: str):
+    """The student's ``name``, or a clear error if it is missing or not callable."""
+    if name not in KEYWORD_ONLY:
+        return student_function(ns, SPEC.function(name))
+    fn = ns.get(name)
+    if fn is None:
+        raise LookupError(f"{name} is not defined: did its cell run without errors?")
+    if not callable(fn):
+        raise TypeError(f"{name} should be a function, not {type(fn).__name__}")
+    return fn
+
+
+def probe_calls(ns, name: str, cases):
+    """``name(*args, **kwargs)`` for each ``(args, kwargs)`` in ``cases``: each result described,
+    or the exception's type and message (an exception is an answer here: ValueError is asked for
+    on invalid arguments)."""
+    fn = _lookup(ns, name)
+    out = []
+    for args, kwargs in cases:
+        try:
+            value = fn(*args, **kwargs)
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the grader, which judges it
+            out.append({"raised": type(exc).__name__, "is_value_error": isinstance(exc, ValueError),
+                        "message": str(exc)[:200]})
+        else:
+            out.append({"returned": describe(value)})
+    return out
+
+
+def _run_class(ns, name, rank_fn, world_size, helper_cells, *args):
+    """``rank_fn`` with the student's class ``name`` on ``world_size`` ranks, with the
+    reference's versions of the graded functions it calls where the reference is at hand (so
+    that only ``name`` is graded)."""
+    cls = _lookup(ns, name)
+    init = getattr(cls, "__init__", None)
+    cells = helper_cells if hasattr(init, "__globals__") else None  # __init__ from the notebook
+    with reference_helpers(init, cells, list(SPEC.function(name).helpers)):
+        return run_ranks_keeping_results(rank_fn, world_size, cls, *args)
+
+
+def probe_sharded_optimizer(ns, world_size, seed, cases, steps, per_rank, helper_cells):
+    return _run_class(ns, "ShardedOptimizer", rank_sharded_optimizer, world_size, helper_cells,
+                      seed, cases, steps, per_rank)
+
+
+def probe_bucketed_ddp(ns, world_size, seed, cases, steps, per_rank, lr, helper_cells):
+    return _run_class(ns, "BucketedDDP", rank_bucketed_ddp_cases, world_size, helper_cells,
+                      seed, cases, steps, per_rank, lr)
+
+
+def probe_sharded_linear(ns, world_size, seed, cases, helper_cells):
+    return _run_class(ns, "ShardedLinear", rank_sharded_linear, world_size, helper_cells, seed,
+                      cases)

@@ -1,0 +1,312 @@
+"""What each process of Assignment 4's checks runs, and the models and data it shares with the
+grader.
+
+Trusted harness code: a probe in the sandbox starts these on N processes and they return plain
+data for the grader to judge. Every rank imports this module, so it imports nothing heavier
+than torch (no pytest, no nbformat).
+
+Results are handed over before teardown: each rank writes what it found to a folder of the
+probe's as soon as its work is done, so that a rank that aborts afterwards, at process exit
+(gloo can std::terminate a finished rank: "terminate called without an active exception"),
+never costs the student a point (:func:`run_ranks_keeping_results`).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from autograder.checking.collectives import collectives_counted
+from autograder.checking.probes import describe
+from autograder.checking.ranks import run_ranks
+
+#: Pre-hook id for the sized log (collectives_counted uses another, so both can be registered).
+_SIZED_HOOK_ID = 434343
+
+
+# ---------------------------------------------------------------------------- results first
+
+def run_ranks_keeping_results(fn, world_size: int, *args, **kwargs) -> list:
+    """:func:`run_ranks`, except that when every rank had saved its result before the run
+    failed (a rank aborted at exit, after its work), those results are returned."""
+    if world_size == 1:
+        return run_ranks(fn, world_size, *args, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="a4-results-") as folder:
+        try:
+            return run_ranks(_saving_result, world_size, folder, fn, *args, **kwargs)
+        except RuntimeError:
+            saved = [Path(folder, f"result-{rank}.pt") for rank in range(world_size)]
+            if not all(p.exists() for p in saved):
+                raise
+            return [torch.load(p, weights_only=True) for p in saved]
+
+
+def _saving_result(rank, world_size, folder, fn, *args):
+    result = fn(rank, world_size, *args)
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    # written whole, then renamed: a half-written file is never taken for a result
+    Path(folder, f"result-{rank}.tmp").write_bytes(buffer.getvalue())
+    Path(folder, f"result-{rank}.tmp").rename(Path(folder, f"result-{rank}.pt"))
+    return result
+
+
+# ---------------------------------------------------------------------------- counting, sized
+
+@contextlib.contextmanager
+def collectives_sized(log: list | None = None):
+    """While inside, each collective issued on the default process group is logged as
+    ``(op, elements in its inputs, elements in its outputs)`` in the yielded list (``log``,
+    where given: other events can go in between)."""
+    group = dist.distributed_c10d._get_default_group()
+    log = [] if log is None else log
+
+    def hook(args):
+        op = getattr(args.name, "name", str(args.name))
+        log.append((op, sum(t.numel() for t in args.input_tensors),
+                    sum(t.numel() for t in args.output_tensors)))
+
+    group.register_pre_hook(_SIZED_HOOK_ID, hook)
+    try:
+        yield log
+    finally:
+        group.unregister_pre_hook(_SIZED_HOOK_ID)
+
+
+# ---------------------------------------------------------------------------- models and data
+
+#: (input features, output features) of each model a ShardedOptimizer check trains.
+SHAPES = {"mlp": (5, 2), "tiny": (1, 2)}
+
+
+def seeded_model(kind: str, seed: int) -> nn.Module:
+    """The float64 model of a case, the same on every rank and in the grader. ``mlp`` has 34
+    elements (not divisible by 3 or 4), ``tiny`` 4 (3 ranks leave rank 2 an empty shard); tanh,
+    not ReLU, so no gradient element is zero in one summation order and not in another."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if kind == "mlp":
+            return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+        if kind == "tiny":
+            return nn.Linear(1, 2).double()
+        raise ValueError(kind)
+
+
+def make_data(kind: str, seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` float64 examples (inputs, regression targets), the same in every process."""
+    g = torch.Generator().manual_seed(seed + 1)
+    d_in, d_out = SHAPES[kind]
+    return (torch.randn(n, d_in, generator=g, dtype=torch.float64),
+            torch.randn(n, d_out, generator=g, dtype=torch.float64))
+
+
+def step_rows(step: int, per_rank: int, world_size: int, rank: int | None = None) -> slice:
+    """The rows of a step's global batch (``rank`` None) or of one rank's share of it."""
+    start = step * per_rank * world_size
+    if rank is None:
+        return slice(start, start + per_rank * world_size)
+    return slice(start + rank * per_rank, start + (rank + 1) * per_rank)
+
+
+# ---------------------------------------------------------------------------- ShardedOptimizer
+
+def state_bytes(optimizer) -> int:
+    """Bytes of an optimizer's state tensors that have at least one dimension (not scalars
+    such as AdamW's ``step``)."""
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values()
+               for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+
+
+def rank_sharded_optimizer(rank, world_size, cls, seed, cases, steps, per_rank):
+    """Each case ``(model kind, optimizer name, kwargs)``: the model (equal on every rank),
+    the student's ShardedOptimizer over its parameters, ``steps`` steps of backward on this
+    rank's share of the batch (mean squared error) then ``step()``, with the collectives issued
+    inside ``step()`` logged; what the parameters, gradients and ``.optimizer`` ended as."""
+    out = []
+    for i, (kind, optimizer_name, kwargs) in enumerate(cases):
+        optimizer_cls = getattr(torch.optim, optimizer_name)
+        model = seeded_model(kind, seed + i)
+        X, y = make_data(kind, seed + i, steps * per_rank * world_size)
+        opt = cls(model.parameters(), optimizer_cls, **kwargs)
+        logs, counts, grads_none = [], [], []
+        for step in range(steps):
+            rows = step_rows(step, per_rank, world_size, rank)
+            F.mse_loss(model(X[rows]), y[rows]).backward()
+            with collectives_counted(opt.step) as counted, collectives_sized() as log:
+                opt.step()
+            logs.append(list(log))
+            counts.append(dict(counted))
+            grads_none.append(all(p.grad is None for p in model.parameters()))
+        inner = getattr(opt, "optimizer", None)
+        is_optimizer = isinstance(inner, optimizer_cls)
+        out.append({
+            "params": describe([p.detach() for p in model.parameters()]),
+            "grads_none": grads_none, "sized": logs, "counted": counts,
+            "optimizer": f"{type(inner).__module__}.{type(inner).__qualname__}",
+            "is_optimizer": is_optimizer,
+            "owned": (sum(p.numel() for g in inner.param_groups for p in g["params"])
+                      if is_optimizer else None),
+            "state_bytes": state_bytes(inner) if is_optimizer else None})
+    return out
+
+
+# ---------------------------------------------------------------------------- BucketedDDP
+
+class Layers(nn.Module):
+    """Float64 tanh layers of width ``width`` (many small parameters: several buckets), and,
+    with ``unused``, a parameter between them that the loss never touches."""
+
+    def __init__(self, width: int, depth: int, unused: bool = False):
+        super().__init__()
+        self.first = nn.Linear(width, width)
+        self.unused = nn.Parameter(torch.ones(3)) if unused else None
+        self.rest = nn.ModuleList(nn.Linear(width, width) for _ in range(depth - 1))
+        self.register_buffer("scale", torch.ones(width))
+        self.double()
+
+    def forward(self, x):
+        x = torch.tanh(self.first(x)) * self.scale
+        for layer in self.rest:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def ddp_model(seed: int, width: int, depth: int, unused: bool) -> Layers:
+    """The model of a BucketedDDP check, from ``seed`` (each rank passes its own: rank 0's is
+    the one broadcast). Its buffer differs per seed too, so that it needs the broadcast."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Layers(width, depth, unused)
+        with torch.no_grad():
+            model.scale.uniform_(0.5, 1.5)
+        return model
+
+
+def ddp_seed(seed: int, rank: int) -> int:
+    return seed + 7919 * rank
+
+
+def rank_bucketed_ddp(rank, world_size, cls, seed, shape, steps, per_rank, bucket_bytes, lr):
+    """The student's BucketedDDP around a model that differs per rank (until broadcast); each
+    step: forward and backward on this rank's share, ``finish_gradient_synchronization()``,
+    then the grader's plain SGD. Logs, in one list and in order, the collectives issued on the
+    default group from forward to the end of finish (``(op, in, out)``) and the moment the
+    gradient of managed parameter 0 is computed (``("grad of parameter 0",)``)."""
+    width, depth, unused = shape
+    model = ddp_model(ddp_seed(seed, rank), width, depth, unused)
+    managed = [p for p in model.parameters() if p.requires_grad]
+    X, y = (torch.randn(steps * per_rank * world_size, width, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(seed + i)) for i in (1, 2))
+    ddp = cls(model, bucket_bytes)
+    events: list = []
+    managed[0].register_hook(lambda grad: events.append(("grad of parameter 0",)))
+    out = []
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        rows = step_rows(step, per_rank, world_size, rank)
+        events.clear()
+        with collectives_sized(events), collectives_counted(ddp.finish_gradient_synchronization) \
+                as counted:
+            F.mse_loss(ddp(X[rows]), y[rows]).backward()
+            ddp.finish_gradient_synchronization()
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in managed]
+        out.append({"grads": describe(grads), "events": list(events), "counted": dict(counted)})
+        with torch.no_grad():
+            for p in managed:
+                if p.grad is not None:
+                    p -= lr * p.grad
+    return out
+
+
+def rank_bucketed_ddp_cases(rank, world_size, cls, seed, cases, steps, per_rank, lr):
+    """:func:`rank_bucketed_ddp` for each case ``(shape, bucket_bytes)``, seeds apart."""
+    return [rank_bucketed_ddp(rank, world_size, cls, seed + 101 * i, shape, steps, per_rank,
+                              bucket_bytes, lr)
+            for i, (shape, bucket_bytes) in enumerate(cases)]
+
+
+# ---------------------------------------------------------------------------- ShardedLinear
+
+def linear_values(seed: int, in_f: int, out_f: int, bias: bool):
+    """The full (weight, bias) that a case loads, float64, the same in every process."""
+    g = torch.Generator().manual_seed(seed + 5)
+    weight = torch.randn(out_f, in_f, generator=g, dtype=torch.float64)
+    return weight, (torch.randn(out_f, generator=g, dtype=torch.float64) if bias else None)
+
+
+def linear_inputs(seed: int, rank: int, batch: int, in_f: int, out_f: int):
+    """Rank ``rank``'s input and the gradient its output receives (float64)."""
+    g = torch.Generator().manual_seed(seed + 1009 * (rank + 1))
+    return (torch.randn(batch, in_f, generator=g, dtype=torch.float64),
+            torch.randn(batch, out_f, generator=g, dtype=torch.float64))
+
+
+def _alive_storages() -> dict[int, int]:
+    """{storage address: elements} of the float64 storages that live Python tensors of this
+    process hold."""
+    gc.collect()
+    found = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.dtype == torch.float64:
+            try:
+                storage = obj.untyped_storage()
+            except Exception:  # noqa: BLE001 - tensors without storage (meta, sparse)
+                continue
+            found[storage.data_ptr()] = storage.nbytes() // 8
+    return found
+
+
+def _largest_alive(exclude: set[int]) -> int:
+    """Elements in the largest float64 storage alive now, except the storages in ``exclude``."""
+    return max((n for ptr, n in _alive_storages().items() if ptr not in exclude), default=0)
+
+
+def rank_sharded_linear(rank, world_size, cls, seed, cases):
+    """Each case ``(in, out, bias, batch, input needs grad)``: the student's layer built under
+    ``torch.manual_seed`` (float64 default dtype) and its initial parameters; then the case's
+    full values loaded; forward on this rank's input with the saved tensors' sizes recorded and
+    the largest tensor alive after it; backward of ``(out * grad).sum()``; collectives logged."""
+    out = []
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for i, (in_f, out_f, bias, batch, needs_grad) in enumerate(cases):
+            before = set(_alive_storages())  # earlier cases' results: not this layer's
+            torch.manual_seed(seed + i)
+            layer = cls(in_f, out_f, bias)
+            initial = [p.detach().clone() for p in layer.parameters()]
+            weight, b = linear_values(seed + i, in_f, out_f, bias)
+            layer.load_full(weight, b) if bias else layer.load_full(weight)
+            del weight, b
+            x, grad_out = linear_inputs(seed + i, rank, batch, in_f, out_f)
+            x.requires_grad_(needs_grad)
+            saved, log = [], []
+
+            def pack(t):
+                saved.append(t.untyped_storage().nbytes() // max(t.element_size(), 1))
+                return t
+
+            with collectives_sized(log):
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    y = layer(x)
+                mine = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+                gc.collect()  # garbage waiting for the collector is not kept alive by the layer
+                alive = _largest_alive(before | mine | {t.untyped_storage().data_ptr()
+                                                        for t in (x, y, grad_out)})
+                (y * grad_out).sum().backward()
+            params = list(layer.parameters())
+            out.append({"initial": describe(initial), "output": describe(y.detach()),
+                        "input_grad": describe(x.grad) if needs_grad else describe(None),
+                        "params": describe([p.detach() for p in params]),
+                        "grads": describe([p.grad for p in params]),
+                        "sized": log, "saved": saved, "alive": alive})
+    finally:
+        torch.set_default_dtype(default)
+    return out

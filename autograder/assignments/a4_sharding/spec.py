@@ -1,0 +1,47 @@
+"""Assignment 4, memory and sharding: the contract with the grader.
+
+Per-call timeouts: several times what the reference takes on a busy 2-core machine (process
+start-up included), so that a hung call fails in a minute or two, not ten.
+"""
+from autograder.checking.spec import Check, Function, Spec
+
+SPEC = Spec(
+    assignment="a4_sharding",
+    functions=(
+        Function("assign_buckets", ("param_numels", "bucket_bytes")),
+        Function("BucketedDDP", ("module", "bucket_bytes"), helpers=("assign_buckets",)),
+        Function("shard_bounds", ("numel", "world_size", "rank")),
+        Function("model_state_bytes", ("num_params", "world_size")),
+        Function("comm_bytes_per_step", ("num_params", "world_size")),
+        Function("ShardedOptimizer", ("params", "optimizer_cls"), helpers=("shard_bounds",)),
+        Function("ShardedLinear", ("in_features", "out_features"), helpers=("shard_bounds",)),
+    ),
+    checks=(
+        Check("assign_buckets_reverse_order_and_size_rule", "assign_buckets", 2),
+        Check("assign_buckets_rejects_non_positive_bucket_bytes", "assign_buckets", 1),
+        Check("bucketed_ddp_gradients_match_one_process", "BucketedDDP", 3, timeout=150),
+        Check("bucketed_ddp_one_all_reduce_per_bucket_in_bucket_order", "BucketedDDP", 2,
+              timeout=150),
+        Check("bucketed_ddp_first_all_reduce_before_parameter_0_gradient", "BucketedDDP", 2,
+              timeout=150),
+        Check("bucketed_ddp_unused_parameter_counts_as_zeros", "BucketedDDP", 1, timeout=150),
+        Check("shard_bounds_ceil_chunks_and_empty_shards", "shard_bounds", 2),
+        Check("shard_bounds_rejects_invalid_arguments", "shard_bounds", 1),
+        Check("model_state_bytes_every_stage_and_precision", "model_state_bytes", 2),
+        Check("model_state_bytes_rejects_invalid_arguments", "model_state_bytes", 1),
+        Check("comm_bytes_per_step_every_stage", "comm_bytes_per_step", 2),
+        Check("comm_bytes_per_step_rejects_invalid_arguments", "comm_bytes_per_step", 1),
+        Check("sharded_optimizer_matches_one_process", "ShardedOptimizer", 3, timeout=150),
+        Check("sharded_optimizer_state_bytes_per_rank", "ShardedOptimizer", 1, timeout=150),
+        Check("sharded_optimizer_one_reduce_scatter_one_all_gather_per_step", "ShardedOptimizer",
+              2, timeout=150),
+        Check("sharded_linear_outputs_and_gradients_match_dense", "ShardedLinear", 3,
+              timeout=150),
+        Check("sharded_linear_stores_its_shard_initialised_like_nn_linear", "ShardedLinear", 1,
+              timeout=150),
+        Check("sharded_linear_two_all_gathers_one_reduce_scatter", "ShardedLinear", 2,
+              timeout=150),
+        Check("sharded_linear_keeps_no_full_weight_between_forward_and_backward",
+              "ShardedLinear", 2, timeout=150),
+    ),
+)

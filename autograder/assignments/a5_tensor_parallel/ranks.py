@@ -1,0 +1,239 @@
+"""What each process of Assignment 5's checks runs, and the models and inputs it shares with
+the grader (which rebuilds them from the same seeds to compute the dense float64 truth).
+
+Trusted harness code: a probe starts these on 4 fresh processes (or runs them here as a world
+of one) with :func:`autograder.checking.ranks.run_ranks`. Each rank tries the student's code on
+two kinds of group: the whole world (``group=None``) and, on 4 ranks, the ``tp`` groups of 2 of
+a (2, 2) mesh that the harness builds itself; it counts the collectives on those groups from
+its side (:func:`autograder.checking.collectives.traffic_on_groups`) and returns plain data.
+Every rank imports this module, so it imports nothing heavier than torch.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autograder.checking.collectives import traffic_on_groups
+from autograder.checking.probes import describe
+
+F64 = torch.float64
+#: Layer sizes: divisible by 1, 2 and 4 ranks where they are split.
+IN, HIDDEN, OUT, LEADING = 5, 8, 6, (3, 2)
+
+
+def randn(seed: int, *shape, dtype=F64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=F64).to(dtype)
+
+
+def dense_linear(seed: int, fin: int, fout: int) -> nn.Linear:
+    """A float64 nn.Linear with weights from ``seed`` (the same in every process)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Linear(fin, fout).to(F64)
+
+
+def dense_mlp(seed: int, fin: int = IN, hidden: int = HIDDEN) -> nn.Sequential:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(fin, hidden), nn.GELU(), nn.Linear(hidden, fin)).to(F64)
+
+
+def two_block_model(seed: int) -> nn.Sequential:
+    """``model_fn`` of train_2d (with functools.partial): two Linear-GELU-Linear blocks with
+    replicated layers around them, float64. The second block's input needs a gradient, so a
+    column layer that does not all-reduce it trains the first block wrong."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4), nn.Tanh(),
+                             nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4), nn.Linear(4, 2)).to(F64)
+
+
+def train_data(seed: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    return randn(seed, n, 4), randn(seed + 1, n, 2)
+
+
+def groups_of(rank: int, world_size: int) -> list[tuple[str, object, int, int]]:
+    """``(label, group, n, r)`` for each group the layer checks use on this rank: the world
+    (group None) and, on 4 ranks, this rank's ``tp`` group of a (2, 2) mesh (ranks {0, 1} and
+    {2, 3}). The grader calls it with the same arguments (without a process group) for n, r."""
+    cases = [("the whole world (group=None)", None, world_size, rank)]
+    if world_size == 4:
+        group = None
+        if dist.is_initialized():
+            from torch.distributed.device_mesh import init_device_mesh
+            group = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")).get_group("tp")
+        cases.append(("a tp group of 2 of a (2, 2) mesh on 4 processes", group, 2, rank % 2))
+    return cases
+
+
+def _grads(*tensors):
+    return describe([None if t is None or t.grad is None else t.grad for t in tensors])
+
+
+def _params(module) -> dict:
+    return {name: describe(p.detach()) for name, p in module.named_parameters()}
+
+
+def _raises_value_error(make) -> str:
+    try:
+        make()
+    except ValueError:
+        return "ValueError"
+    except Exception as exc:  # noqa: BLE001 - reported to the grader
+        return type(exc).__name__
+    return "nothing"
+
+
+# ---------------------------------------------------------------------------- the two layers
+
+def rank_column(rank, world_size, cls, seed):
+    out = []
+    for label, group, n, _ in groups_of(rank, world_size):
+        linear = dense_linear(seed, IN, HIDDEN)
+        upstream = randn(seed + 1, *LEADING, HIDDEN)  # dL/d(full output), the same everywhere
+        r = dist.get_rank(group)
+        case = {"label": label, "runs": {}}
+        for gather in (False, True):
+            layer = cls.from_linear(linear, group, gather_output=gather)
+            x = randn(seed + 2, *LEADING, IN).requires_grad_()
+            y = layer(x)
+            c = HIDDEN // n
+            g = upstream if gather else upstream[..., r * c:(r + 1) * c]
+            if y.shape == g.shape:
+                (y * g).sum().backward()
+            case["runs"][gather] = {"params": _params(layer), "output": describe(y),
+                                    "grads": _grads(x, getattr(layer, "weight", None),
+                                                    getattr(layer, "bias", None))}
+        case["shapes"] = {bias: {k: tuple(p.shape) for k, p in
+                                 cls(IN, HIDDEN, bias=bias, group=group).named_parameters()}
+                          for bias in (True, False)}
+        case["indivisible"] = _raises_value_error(lambda: cls(IN, 2 * n + 1, group=group)) \
+            if n > 1 else "not asked"
+        out.append(case)
+    return out
+
+
+def rank_row(rank, world_size, cls, seed):
+    out = []
+    for label, group, n, _ in groups_of(rank, world_size):
+        linear = dense_linear(seed, HIDDEN, OUT)
+        upstream = randn(seed + 1, *LEADING, OUT)
+        r, c = dist.get_rank(group), HIDDEN // n
+        case = {"label": label, "runs": {}}
+        for parallel in (True, False):
+            layer = cls.from_linear(linear, group, input_is_parallel=parallel)
+            full = randn(seed + 2, *LEADING, HIDDEN)
+            x = (full[..., r * c:(r + 1) * c] if parallel else full).clone().requires_grad_()
+            y = layer(x)
+            if y.shape == upstream.shape:
+                (y * upstream).sum().backward()
+            case["runs"][parallel] = {"params": _params(layer), "output": describe(y),
+                                      "grads": _grads(x, getattr(layer, "weight", None),
+                                                      getattr(layer, "bias", None))}
+        case["shapes"] = {bias: {k: tuple(p.shape) for k, p in
+                                 cls(HIDDEN, OUT, bias=bias, group=group).named_parameters()}
+                          for bias in (True, False)}
+        case["indivisible"] = _raises_value_error(lambda: cls(2 * n + 1, OUT, group=group)) \
+            if n > 1 else "not asked"
+        out.append(case)
+    return out
+
+
+# ---------------------------------------------------------------------------- ParallelMLP
+
+def rank_mlp(rank, world_size, cls, seed):
+    out = []
+    for label, group, _, _ in groups_of(rank, world_size):
+        mlp = dense_mlp(seed)
+        block = cls.from_mlp(mlp, group)
+        x = randn(seed + 1, *LEADING, IN).requires_grad_()
+        with traffic_on_groups({"group": group}) as forward:
+            y = block(x)
+        with traffic_on_groups({"group": group}) as backward:
+            if isinstance(y, torch.Tensor) and y.shape == x.shape:
+                (y * randn(seed + 2, *LEADING, IN)).sum().backward()
+        layers = [getattr(block, name, None) for name in ("fc1", "fc2")]
+        params = [getattr(layer, p, None) for layer in layers for p in ("weight", "bias")]
+        out.append({"label": label, "output": describe(y), "grads": _grads(x, *params),
+                    "forward": forward["group"], "backward": backward["group"]})
+    return out
+
+
+# ---------------------------------------------------------------------------- cross-entropy
+
+#: (batch, classes per rank, logit offset, dtype) of each case.
+CE_CASES = [(6, 3, 0.0, "float64"), (5, 16, 0.0, "float64"), (7, 4, 1e4, "float64"),
+            (6, 5, 0.0, "float32")]
+
+
+def ce_inputs(seed: int, case, vocabulary: int):
+    batch, _, offset, dtype = case
+    logits = 3 * randn(seed, batch, vocabulary) + offset
+    g = torch.Generator().manual_seed(seed + 1)
+    return logits.to(getattr(torch, dtype)), torch.randint(0, vocabulary, (batch,), generator=g)
+
+
+def rank_cross_entropy(rank, world_size, fn, seed):
+    out = []
+    for label, group, n, r in groups_of(rank, world_size):
+        for i, case in enumerate(CE_CASES):
+            c = case[1]
+            logits, targets = ce_inputs(seed + i, case, n * c)
+            local = logits[:, r * c:(r + 1) * c].clone().requires_grad_()
+            with traffic_on_groups({"group": group, "world": None}) as traffic:
+                loss = fn(local, targets.clone(), group)
+                if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                    loss.backward()
+            out.append({"label": label, "case": i, "loss": describe(loss),
+                        "grad": _grads(local), "traffic": traffic})
+    return out
+
+
+# ---------------------------------------------------------------------------- cross_check
+
+def _waited(t):
+    """A functional collective's result (AsyncCollectiveTensor) as the plain tensor it waits
+    for; anything else as it is."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+def rank_cross_check(rank, world_size, fn, seed):
+    out = []
+    for label, group, _, _ in groups_of(rank, world_size):
+        x = randn(seed + 1, 4, IN)
+        outputs = fn(dense_mlp(seed), x.clone(), group)
+        if isinstance(outputs, (tuple, list)):  # parallelize_module's local outputs may be
+            outputs = [_waited(t) for t in outputs]  # still in flight (AsyncCollectiveTensor)
+        out.append({"label": label, "outputs": describe(outputs)})
+    return out
+
+
+# ---------------------------------------------------------------------------- train_2d
+
+TRAIN_STEPS, TRAIN_LR = 3, 0.1
+
+
+def rank_train_2d(rank, world_size, fn, seed, meshes):
+    """For each (dp, tp) of ``meshes`` (dp * tp = world size): train_2d on 8 examples with
+    every group watched, then, when dp > 1, on 7 (which must raise ValueError)."""
+    model_fn = functools.partial(two_block_model, seed)
+    out = []
+    for dp, tp in meshes:
+        with traffic_on_groups({tuple(range(world_size)): None}, new_groups=True) as traffic:
+            result = fn(model_fn, train_data(seed + 1), dp=dp, tp=tp, steps=TRAIN_STEPS,
+                        lr=TRAIN_LR)
+        odd = _raises_value_error(lambda: fn(model_fn, train_data(seed + 1, 7), dp=dp, tp=tp,
+                                             steps=1, lr=TRAIN_LR)) if dp > 1 else "not asked"
+        losses, state = result if isinstance(result, (tuple, list)) and len(result) == 2 \
+            else (None, None)
+        out.append({"mesh": (dp, tp), "odd": odd, "losses": describe(losses),
+                    "state": {k: describe(v) for k, v in state.items()}
+                    if isinstance(state, dict) else describe(state),
+                    "traffic": {k: v for k, v in traffic.items()}})
+    return out

@@ -1,0 +1,142 @@
+"""Counting the collectives a piece of code issues, from the grader's side (runs in ranks).
+
+Two layers: python wrappers around torch.distributed's collective functions (also where the
+code's globals hold them under their own names), and a pre-hook on the default process group,
+which sees every collective issued on it however it was reached (functional collectives
+included). Point-to-point sends and receives are not counted.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch.distributed as dist
+
+#: Collectives a ring may not call (python-level names, where this torch has them).
+COLLECTIVES = ["all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather",
+               "all_gather_into_tensor", "all_gather_coalesced", "all_gather_object",
+               "all_gather_single", "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor",
+               "reduce_scatter_single", "_reduce_scatter_base", "all_to_all", "all_to_all_single",
+               "gather", "gather_object", "gather_into_tensor", "gather_single", "scatter",
+               "scatter_object_list", "broadcast_object_list", "barrier", "monitored_barrier",
+               "_broadcast_coalesced"]
+#: What the process group's pre-hook counts (its other names are point-to-point or bookkeeping).
+_HOOKED_COLLECTIVES = {"BROADCAST", "ALLREDUCE", "REDUCE", "ALLGATHER", "REDUCE_SCATTER",
+                       "ALLTOALL", "BARRIER", "SCATTER", "GATHER"}
+_HOOK_ID = 424242
+
+
+@contextlib.contextmanager
+def collectives_counted(fn):
+    """While inside, every collective call is counted in the yielded dict (what -> calls).
+
+    Two layers: python wrappers around torch.distributed's collective functions (also where
+    ``fn``'s globals hold them under their own names), and a pre-hook on the default process
+    group, which sees every collective issued on it however it was reached (functional
+    collectives included); point-to-point sends and receives are not counted."""
+    import torch.distributed.distributed_c10d as c10d
+
+    counts: dict[str, int] = {}
+    originals = {name: getattr(c10d, name, None) or getattr(dist, name, None) for name in COLLECTIVES}
+    originals = {k: v for k, v in originals.items() if callable(v)}
+
+    def counting(name, original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            counts[f"dist.{name}"] = counts.get(f"dist.{name}", 0) + 1
+            return original(*args, **kwargs)
+        return wrapper
+
+    wrappers = {name: counting(name, f) for name, f in originals.items()}
+    patched = []  # (namespace, name, old value)
+    for space in (dist, c10d):
+        for name, w in wrappers.items():
+            if hasattr(space, name):
+                patched.append((space, name, getattr(space, name)))
+                setattr(space, name, w)
+    by_identity = {id(f): wrappers[name] for name, f in originals.items()}
+    g = getattr(fn, "__globals__", {})
+    for name, value in list(g.items()):
+        if id(value) in by_identity:
+            patched.append((g, name, value))
+            g[name] = by_identity[id(value)]
+    group = c10d._get_default_group()
+    hooked = False
+    if hasattr(group, "register_pre_hook"):
+        def hook(args):
+            op = getattr(args.name, "name", str(args.name))
+            if op in _HOOKED_COLLECTIVES:
+                counts[f"process group {op}"] = counts.get(f"process group {op}", 0) + 1
+        try:
+            group.register_pre_hook(_HOOK_ID, hook)
+            hooked = True
+        except Exception:
+            pass
+    try:
+        yield counts
+    finally:
+        if hooked:
+            group.unregister_pre_hook(_HOOK_ID)
+        for space, name, old in reversed(patched):
+            if isinstance(space, dict):
+                space[name] = old
+            else:
+                setattr(space, name, old)
+
+
+@contextlib.contextmanager
+def traffic_on_groups(groups: dict, *, new_groups: bool = False):
+    """While inside, every collective issued on one of ``groups`` (``{key: ProcessGroup or
+    None}``, None = the default group) is noted in the yielded ``{key: [(op, elements)]}``:
+    its name (``ALLREDUCE``, ``ALLGATHER``, ...) and the elements of its input tensors. Counted
+    by a pre-hook on each group, which sees every call on that group (plain, functional or
+    DTensor collectives, in forward or in backward) and only those. With ``new_groups``, each
+    group created inside (``new_group``, ``split_group``: what ``init_device_mesh`` calls) is
+    watched from its creation, under the key ``tuple(its global ranks)``."""
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.distributed_c10d as c10d
+
+    traffic: dict = {}
+    hooked: list = []  # (group, hook id)
+
+    def watch(key, group):
+        group = c10d._get_default_group() if group is None else group
+        if any(g is group for g, _ in hooked):
+            traffic.setdefault(key, [])
+            return
+
+        def hook(args, key=key):
+            op = getattr(args.name, "name", str(args.name))
+            if op in _HOOKED_COLLECTIVES:
+                elements = sum(t.numel() for t in args.input_tensors)
+                traffic.setdefault(key, []).append((op, elements))
+        hook_id = _HOOK_ID + 1 + len(hooked)
+        group.register_pre_hook(hook_id, hook)
+        hooked.append((group, hook_id))
+        traffic.setdefault(key, [])
+
+    for key, group in groups.items():
+        watch(key, group)
+    patched = []
+    if new_groups:
+        def watching(original):
+            @functools.wraps(original)
+            def wrapper(*args, **kwargs):
+                group = original(*args, **kwargs)
+                if isinstance(group, dist.ProcessGroup):
+                    watch(tuple(dist.get_process_group_ranks(group)), group)
+                return group
+            return wrapper
+        for space in (dist, c10d, device_mesh):
+            for name in ("new_group", "split_group"):
+                if callable(getattr(space, name, None)):
+                    patched.append((space, name, getattr(space, name)))
+        for space, name, old in patched:
+            setattr(space, name, watching(old))
+    try:
+        yield traffic
+    finally:
+        for space, name, old in reversed(patched):
+            setattr(space, name, old)
+        for group, hook_id in hooked:
+            group.unregister_pre_hook(hook_id)

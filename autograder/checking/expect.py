@@ -1,0 +1,94 @@
+"""What checks use to judge, in the grader: fresh inputs from the run's seed, and assertions
+on what probes returned, which re-check types here because nothing from the child is trusted.
+Tolerances come from the computation: :func:`float32_tolerance` derives one from a float64
+reference and a float32 run of the same computation.
+"""
+from __future__ import annotations
+
+import random
+import secrets
+
+import torch
+
+_run = {"rng": random.Random(secrets.randbits(63)), "seed": None}
+
+
+def devices_for(n: int) -> list[str]:
+    """``n`` devices: distinct GPUs where there are enough, else CPU stand-ins."""
+    from course.devices import gpu_count
+
+    return [f"cuda:{i}" for i in range(n)] if gpu_count() >= n else ["cpu"] * n
+
+
+def set_run_seed(seed: int | None) -> int:
+    """Seed every :func:`fresh_generator` of this run (a new random seed when None); returns
+    the seed, which the report prints so that ``--seed`` repeats the same inputs."""
+    seed = secrets.randbits(31) if seed is None else int(seed)
+    _run.update(rng=random.Random(seed), seed=seed)
+    return seed
+
+
+def fresh_generator() -> tuple[torch.Generator, int]:
+    """A generator with a seed drawn from the run's seed: new inputs every run (remembered
+    answers cannot pass), the same ones again under the same ``--seed``."""
+    seed = _run["rng"].getrandbits(31)
+    return torch.Generator().manual_seed(seed), seed
+
+def tensor(desc, what: str) -> dict:
+    """Assert ``desc`` describes a plain ``torch.Tensor``; return the description."""
+    assert isinstance(desc, dict), f"{what}: the probe's reply was tampered with"
+    if desc.get("kind") == "other":
+        raise AssertionError(f"{what} should be a torch.Tensor, got {desc.get('type')}")
+    if desc.get("kind") != "tensor":
+        got = desc.get("kind") if desc.get("kind") != "plain" else type(desc.get("value")).__name__
+        raise AssertionError(f"{what} should be a torch.Tensor, got {got}")
+    assert type(desc["value"]) is torch.Tensor, f"{what} is not a plain torch.Tensor"
+    return desc
+
+
+def sequence(desc, what: str, length: int | None = None) -> list:
+    """Assert ``desc`` describes a list or tuple (of ``length`` items); return its items."""
+    assert isinstance(desc, dict), f"{what}: the probe's reply was tampered with"
+    if desc.get("kind") not in ("list", "tuple"):
+        got = desc.get("type") or desc.get("kind")
+        if desc.get("kind") == "plain":
+            got = type(desc.get("value")).__name__
+        raise AssertionError(f"{what} should be a list, got {got}")
+    items = desc["items"]
+    if length is not None:
+        assert len(items) == length, f"{what} should have {length} item(s), got {len(items)}"
+    return items
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, *,
+                 rtol: float = 1e-5, atol: float = 1e-6, seed: int | None = None) -> None:
+    """Shape, dtype and values, with a message that says where they differ."""
+    where = f" (inputs from seed {seed})" if seed is not None else ""
+    assert type(actual) is torch.Tensor, f"{what} is not a plain torch.Tensor"
+    assert actual.shape == expected.shape, \
+        f"{what} has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}{where}"
+    assert actual.dtype == expected.dtype, \
+        f"{what} has dtype {actual.dtype}, expected {expected.dtype}{where}"
+    if not torch.allclose(actual, expected, rtol=rtol, atol=atol, equal_nan=False):
+        diff = (actual.double() - expected.double()).abs().max().item()
+        raise AssertionError(f"{what} has wrong values: largest difference {diff:.3g}{where}")
+
+
+def float32_tolerance(reference64: torch.Tensor, reference32: torch.Tensor, *,
+                      factor: float = 16.0) -> float:
+    """An absolute tolerance for a float32 result of a computation, from that computation:
+    ``factor`` times how far a float32 run of the trusted reference strays from its float64 run
+    (float32 code that sums in another order strays by the same order of magnitude), and never
+    less than a few float32 roundings of the result's magnitude."""
+    eps = torch.finfo(torch.float32).eps
+    stray = (reference32.double() - reference64.double()).abs().max().item() if reference64.numel() else 0.0
+    scale = reference64.double().abs().max().item() if reference64.numel() else 0.0
+    return factor * max(stray, 4 * eps * max(scale, 1e-3))
+
+
+def assert_close_float32(actual: torch.Tensor, reference64: torch.Tensor,
+                         reference32: torch.Tensor, what: str, *, seed: int | None = None) -> None:
+    """``actual`` (float32) against the float64 truth, within :func:`float32_tolerance`."""
+    tol = float32_tolerance(reference64, reference32)
+    assert_close(actual, reference64.to(actual.dtype) if actual.dtype != reference64.dtype
+                 else reference64, what, rtol=0, atol=tol, seed=seed)

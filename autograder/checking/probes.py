@@ -1,0 +1,63 @@
+"""What probes use: they run in the sandbox beside student code (and in the ranks it starts)
+and only *collect*: look a function up, call it, describe what came back as plain data.
+Judging happens in the grader (:mod:`autograder.checking.expect`). No pytest here.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from .reference import reference_namespace
+
+
+def student_function(ns: dict, name, params=None):
+    """The student's function ``name``, or a clear error if it is missing or takes other
+    arguments. ``params``: the parameter names, or the spec's :class:`Function`."""
+    if hasattr(name, "params"):
+        name, params = name.name, name.params
+    fn = ns.get(name)
+    if fn is None:
+        raise LookupError(f"{name} is not defined: did its cell run without errors?")
+    if not callable(fn):
+        raise TypeError(f"{name} should be a function, not {type(fn).__name__}")
+    try:
+        sig = inspect.signature(fn)
+        sig.bind(*params)
+    except TypeError:
+        raise TypeError(f"{name} should take ({', '.join(params)}); yours takes {sig}") from None
+    except ValueError:
+        pass
+    return fn
+
+
+@contextlib.contextmanager
+def reference_helpers(fn, cells: list[tuple[str, str]] | None, names: list[str]):
+    """While inside, the names ``fn`` looks up globally are the reference versions (when
+    ``cells`` are given), so a check grades ``fn`` alone; the student's are put back after."""
+    if not cells:
+        yield
+        return
+    reference = reference_namespace(cells)
+    g = fn.__globals__
+    saved = {n: g[n] for n in names if n in g}
+    g.update({n: reference[n] for n in names if n in reference})
+    try:
+        yield
+    finally:
+        for n in names:
+            g.pop(n, None)
+        g.update(saved)
+
+
+def describe(value):
+    """A returned value as plain data: tensors as detached CPU copies with their metadata."""
+    if type(value) is torch.Tensor:
+        return {"kind": "tensor", "value": value.detach().to("cpu", copy=True),
+                "device": str(value.device), "requires_grad": bool(value.requires_grad)}
+    if isinstance(value, (list, tuple)):
+        return {"kind": type(value).__name__, "items": [describe(v) for v in value]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"kind": "plain", "value": value}
+    return {"kind": "other", "type": f"{type(value).__module__}.{type(value).__qualname__}"}

@@ -1,0 +1,152 @@
+"""Speed checks: measured, never assumed, and never failing correct code.
+
+Every figure is a ratio of times that the grader measures itself (wall-clock round trips into
+the sandbox, with the device synchronized inside each timed call), so student code cannot fake
+it. The reference solution is measured in a sandbox of its own, started from the reference's
+cells alone (:func:`reference_sandbox`): no student code ever ran in its processes, so nothing a
+submission patches can slow it or break it. A trusted baseline (``dist.all_reduce``, a
+one-process step) is timed there too (:func:`against_trusted_baseline`), never beside student
+code, which could slow it to inflate its own speedup.
+
+:func:`judge_rounds` compares the two from *rounds*: each round times the student's code and the
+reference's once, back to back, in alternating order, so a machine that gets busier or quieter
+meanwhile moves both alike, and each round gives one paired sample. The student passes while
+the median of their speedup over the reference's is at least :data:`FRACTION_OF_REFERENCE`;
+it fails only when a sign test says, at 1% error, that it is below that fraction, after more
+rounds where the first ones cannot tell. The same code measured against itself therefore
+passes. A reference that does not reach its own bar in the same run makes the check a SKIP with
+that reason: the hardware cannot show the speedup, which is no fault of the student's.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+
+#: The student passes at this fraction of the reference solution's speedup.
+FRACTION_OF_REFERENCE = 0.8
+#: A failure needs this much evidence (one-sided sign test).
+SIGNIFICANCE = 0.01
+
+
+def timed_calls(call, probe, *args, warmup: int = 1, repeats: int = 5) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``probe`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        call(probe, *args)
+    return [timed(call, probe, *args) for _ in range(repeats)]
+
+
+def timed(call, probe, *args) -> float:
+    """Seconds of one call, measured here."""
+    start = time.perf_counter()
+    call(probe, *args)
+    return time.perf_counter() - start
+
+
+def median(times: list[float]) -> float:
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def reference_sandbox(assignment: str, timeout: float = 120.0):
+    """A ``call(probe, *args)`` into a fresh sandbox holding only the reference solution, or
+    None in the student edition. Its processes never see student code."""
+    from functools import partial
+
+    from ..sandbox import Sandbox
+    from .reference import reference_cells
+
+    cells = reference_cells(assignment)
+    if cells is None:
+        yield None
+        return
+    with Sandbox(cells=cells) as box:
+        box.start()
+        yield partial(box.call, timeout=timeout)
+
+
+def in_turn(i: int, measure, student_call, reference_call) -> tuple[float, float | None]:
+    """One round: ``measure(call)`` for the student's sandbox and the reference's (if any),
+    the student first in even rounds and second in odd ones."""
+    calls = [("student", student_call), ("reference", reference_call)]
+    got = {name: measure(call) for name, call in (calls if i % 2 == 0 else calls[::-1])
+           if call is not None}
+    return got["student"], got.get("reference")
+
+
+def against_trusted_baseline(i: int, baseline, part, student_call, reference_call
+                             ) -> tuple[float, float | None]:
+    """One round of a speedup whose baseline is trusted code (``dist.all_reduce``, a
+    one-process step): the baseline is timed in the reference's sandbox only, where no student
+    code ran, so a submission cannot slow it to inflate its own speedup. Returns (baseline /
+    the student's ``part``, baseline / the reference's ``part``); without a reference (the
+    student edition's self-check) the baseline is timed beside the student's code."""
+    if reference_call is None:
+        return baseline(student_call) / part(student_call), None
+    calls = [("student", student_call), ("reference", reference_call)]
+    base = baseline(reference_call)
+    got = {name: part(call) for name, call in (calls if i % 2 == 0 else calls[::-1])}
+    return base / got["student"], base / got["reference"]
+
+
+def _sign_test_below(ratios: list[float], bar: float) -> float:
+    """P(at most this many of the ratios reach ``bar``) if each reached it with probability
+    1/2: small when they are clearly below it."""
+    n, k = len(ratios), sum(r >= bar for r in ratios)
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+
+
+def judge_rounds(one_round, *, what: str, fixed_threshold: float, reference_minimum: float,
+                 has_reference: bool, min_rounds: int = 5, max_rounds: int = 15) -> None:
+    """Pass, fail (AssertionError) or skip a speedup from paired rounds.
+
+    ``one_round(i)`` returns ``(student speedup, reference speedup or None)`` from one round
+    (it alternates who goes first by ``i``). With the reference, the student needs
+    :data:`FRACTION_OF_REFERENCE` of it, and the reference needs ``reference_minimum`` (else
+    SKIP); without it (the student edition), the student needs ``fixed_threshold``.
+    """
+    from .harness import skip_unless
+
+    mine, ref = [], []
+    while True:
+        s, r = one_round(len(mine))
+        mine.append(s)
+        if has_reference:
+            ref.append(r)
+        if len(mine) < min_rounds:
+            continue
+        ratios = ([a / b for a, b in zip(mine, ref)] if has_reference
+                  else [a / fixed_threshold for a in mine])
+        bar = FRACTION_OF_REFERENCE if has_reference else 1.0
+        if len(mine) >= max_rounds:
+            break
+        if has_reference and median(ref) < reference_minimum:
+            if len(mine) >= 2 * min_rounds:  # a second look, then SKIP: the hardware cannot
+                break                        # show the speedup in this run
+            continue
+        if median(ratios) >= bar or _sign_test_below(ratios, bar) < SIGNIFICANCE:
+            break
+    rounds = f"median of {len(mine)} interleaved rounds"
+    if has_reference:
+        skip_unless(median(ref) >= reference_minimum,
+                    f"{what}: the timed code is correct (your speedup {median(mine):.2f}x), but "
+                    f"even the reference solution reached only {median(ref):.2f}x on this "
+                    f"machine in this run ({rounds}; it needs {reference_minimum:.2f}x to show a "
+                    "speedup here), so the hardware cannot judge one: not graded here")
+        need = FRACTION_OF_REFERENCE * median(ref)
+        p = _sign_test_below(ratios, FRACTION_OF_REFERENCE)
+        assert median(ratios) >= FRACTION_OF_REFERENCE or p >= SIGNIFICANCE, (
+            f"{what}: your speedup is {median(mine):.2f}x; the reference solution reached "
+            f"{median(ref):.2f}x in this same run ({rounds}), and {FRACTION_OF_REFERENCE:.0%} "
+            f"of it ({need:.2f}x) is needed; yours stayed below it in {len(mine) - sum(r >= FRACTION_OF_REFERENCE for r in ratios)} "
+            f"of {len(mine)} rounds")
+        print(f"{what}: {median(mine):.2f}x (reference {median(ref):.2f}x; {rounds})")
+    else:
+        p = _sign_test_below(ratios, 1.0)
+        assert median(mine) >= fixed_threshold or p >= SIGNIFICANCE, (
+            f"{what}: your speedup is {median(mine):.2f}x ({rounds}); this student edition has "
+            f"no reference solution, so it asks for a fixed {fixed_threshold:.2f}x (your "
+            "instructor's grade compares with the reference on the grading machine and may "
+            "differ)")
+        print(f"{what}: {median(mine):.2f}x (needed {fixed_threshold:.2f}x; {rounds})")

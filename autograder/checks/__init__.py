@@ -1,1 +1,0 @@
-"""One check module per assignment; each is a pytest file run by :func:`autograder.harness.run_checks`."""

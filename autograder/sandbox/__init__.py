@@ -1,0 +1,248 @@
+"""Run untrusted student code in a child process that the grader fully controls.
+
+The grader process (parent) never executes student code. It starts a *worker* child
+(:mod:`autograder.sandbox.worker`) that executes the student's cells, then asks it to run *probes*:
+small trusted functions from a check module that call a student function on inputs the parent
+chose and hand back what it returned. The parent then judges those values itself.
+
+What the parent guarantees, whatever the student code does:
+- Replies are read with ``torch.load(weights_only=True)``: plain tensors, numbers, strings,
+  lists, dicts. Nothing the child sends can run code in the parent or smuggle a tensor subclass.
+- Each call has a timeout. On timeout, crash, exit or a resource limit, the whole process tree
+  is killed (the worker's process group, every descendant, and any process that escaped with
+  ``setsid``: the grader is a child subreaper, so orphans come back to it), and the next call
+  starts a fresh worker.
+- The child's environment is scrubbed, its working directory is an empty temporary folder,
+  and its output goes to a file of which only a bounded tail is ever read.
+- Where Linux user namespaces are available, the worker also runs in its own user, mount,
+  network and PID namespaces: no network but its own loopback, ``solutions/`` hidden behind an
+  empty mount, every file system read-only but its own work folder, no view of the grader's
+  processes, and every process it started dies with it.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from ..registry import REPO
+from . import framing
+from .framing import decode_reply, read_frame, write_frame
+from .isolation import UNSHARE, become_subreaper, kill_tree, namespaces_available
+
+OUTPUT_TAIL_BYTES = 4000          # how much of the child's output a message may quote
+MAX_OUTPUT_FILE_BYTES = 64 << 20  # the child's output file may not grow past this
+DEFAULT_MAX_PROCESSES = int(os.environ.get("AUTOGRADER_MAX_PROCESSES", "64"))
+DEFAULT_MAX_MEMORY_BYTES = int(os.environ.get("AUTOGRADER_MAX_MEMORY_MB", "6144")) << 20
+#: Upper bound on any one call's timeout (seconds), e.g. to grade many submissions quickly.
+MAX_CALL_TIMEOUT = float(os.environ.get("AUTOGRADER_MAX_CALL_TIMEOUT", "inf"))
+_KEEP_ENV = ("PATH", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
+             "CUDA_HOME", "LD_LIBRARY_PATH", "COURSE_FULL", "TZ", "AUTOGRADER_RUN_TAG",
+             "COURSE_PORTS")
+
+
+class SandboxError(Exception):
+    """The student code did not give an answer; ``str()`` says why, for the student."""
+
+
+class CallTimeout(SandboxError):
+    pass
+
+
+class ChildExited(SandboxError):
+    pass
+
+
+class LimitExceeded(SandboxError):
+    pass
+
+
+class StudentError(SandboxError):
+    """The student function raised; the message holds its exception and traceback tail."""
+
+
+class BadReply(SandboxError, framing.BadReply):
+    """The child replied with something the grader does not accept."""
+
+
+# ---------------------------------------------------------------- the sandbox
+
+@dataclass
+class Limits:
+    max_processes: int = DEFAULT_MAX_PROCESSES
+    max_memory_bytes: int = DEFAULT_MAX_MEMORY_BYTES
+    load_timeout: float = 60.0
+
+
+@dataclass
+class Sandbox:
+    """A restartable worker holding the student's code.
+
+    ``cells`` is a list of ``(cell_id, python_source)`` executed in order in a fresh namespace;
+    ``objects`` (optional) is a cloudpickle of ``{name: object}`` added to that namespace (the
+    notebook bridge grades what a kernel defined this way).
+    """
+
+    cells: list[tuple[str, str]]
+    objects: bytes | None = None
+    limits: Limits = field(default_factory=Limits)
+    cell_errors: dict[str, str] = field(default_factory=dict)
+    _proc: subprocess.Popen | None = None
+    _spare: set[int] = field(default_factory=set)
+
+    # -- lifecycle
+    def start(self) -> None:
+        become_subreaper()
+        self._spare = {p.pid for p in psutil.Process().children(recursive=True)}
+        self._dir = Path(tempfile.mkdtemp(prefix="sandbox-"))
+        os.chmod(self._dir, 0o700)
+        work = self._dir / "work"
+        work.mkdir()
+        self._out_path = self._dir / "output.txt"
+        req_r, self._req_w = os.pipe()
+        self._rep_r, rep_w = os.pipe()
+        env = {k: os.environ[k] for k in _KEEP_ENV if k in os.environ}
+        env.update(HOME=str(work), TMPDIR=str(work), PYTHONDONTWRITEBYTECODE="1",
+                   OMP_NUM_THREADS=os.environ.get("AUTOGRADER_THREADS", "1"),
+                   PYTHONNOUSERSITE="1", MPLBACKEND="Agg", COURSE_OFFLINE="1",
+                   PYTHONPATH=str(REPO))  # the worker runs this same grader's code
+        cmd = [sys.executable, "-m", "autograder.sandbox.worker", str(req_r), str(rep_w)]
+        if namespaces_available():
+            cmd = [*UNSHARE, *cmd]
+            env["AUTOGRADER_HIDE"] = os.pathsep.join(
+                str(p) for p in [REPO / "solutions"] if p.exists())
+            env["AUTOGRADER_WRITABLE"] = str(work)
+        with open(self._out_path, "wb") as out:
+            self._proc = subprocess.Popen(
+                cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                pass_fds=(req_r, rep_w), start_new_session=True,
+                preexec_fn=_child_limits)
+        os.close(req_r)
+        os.close(rep_w)
+        reply = self._request({"op": "load", "cells": self.cells, "objects": self.objects},
+                              self.limits.load_timeout, "loading your notebook's code")
+        self.cell_errors = dict(reply.get("cell_errors", {}))
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def close(self) -> None:
+        if self._proc is not None:
+            for fd in (self._req_w, self._rep_r):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            kill_tree(self._proc.pid, self._spare)
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            self._proc = None
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- calls
+    def call(self, probe, *args, timeout: float = 30.0):
+        """Run ``probe(namespace, *args)`` in the worker; return its (plain-data) result.
+
+        ``probe`` must be a module-level function of an importable trusted module; it is sent
+        by name. Raises a :class:`SandboxError` subclass with a student-readable message.
+        """
+        if not self.alive():
+            self.close()
+            self.start()
+        msg = {"op": "call", "module": probe.__module__, "probe": probe.__qualname__, "args": args}
+        reply = self._request(msg, min(timeout, MAX_CALL_TIMEOUT), f"{probe.__qualname__}")
+        if not reply.get("ok"):
+            raise StudentError(reply.get("error", "the function raised an exception"))
+        return reply.get("value")
+
+    def output_tail(self, limit: int = OUTPUT_TAIL_BYTES) -> str:
+        try:
+            with open(self._out_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - limit))
+                return f.read().decode(errors="replace")
+        except (OSError, AttributeError):
+            return ""
+
+    def _request(self, msg, timeout, what):
+        deadline = time.monotonic() + timeout
+        try:
+            write_frame(self._req_w, pickle.dumps(msg))
+            data = read_frame(self._rep_r, deadline, self._watchdog)
+            self._watchdog()  # a call that returned fast must not leave limits broken behind
+        except TimeoutError:
+            self.close()
+            raise CallTimeout(f"timed out after {timeout:g} s ({what})") from None
+        except (EOFError, BrokenPipeError, OSError):
+            code = self._exit_code()
+            tail = self.output_tail(800).strip()
+            self.close()
+            raise ChildExited(f"the process running your code exited with code {code} "
+                              f"({what})" + (f"; its last output:\n{tail}" if tail else "")) from None
+        except LimitExceeded:
+            self.close()
+            raise
+        try:
+            reply = decode_reply(data)
+        except framing.BadReply as exc:
+            raise BadReply(str(exc)) from None
+        if not isinstance(reply, dict):
+            raise BadReply("the worker's reply was tampered with")
+        return reply
+
+    def _exit_code(self):
+        try:
+            return self._proc.wait(timeout=2)
+        except Exception:
+            return "unknown"
+
+    def _watchdog(self):
+        """Called a few times a second while waiting: enforce process and memory limits."""
+        try:
+            root = psutil.Process(self._proc.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        if len(tree) > self.limits.max_processes:
+            raise LimitExceeded(f"stopped: your code started more than "
+                                f"{self.limits.max_processes} processes")
+        if _memory(tree, lambda p: p.memory_info().rss) > self.limits.max_memory_bytes and \
+                _memory(tree, lambda p: p.memory_full_info().pss) > self.limits.max_memory_bytes:
+            # RSS is cheap but counts pages that forked processes share; PSS splits them fairly
+            raise LimitExceeded(f"stopped: your code used more than "
+                                f"{self.limits.max_memory_bytes / 2**30:.1f} GiB of memory")
+
+
+def _memory(tree, measure) -> int:
+    total = 0
+    for p in tree:
+        try:
+            total += measure(p)
+        except psutil.Error:
+            pass
+    return total
+
+
+def _child_limits():
+    """Runs in the child before exec: no core dumps, a bounded output file."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_OUTPUT_FILE_BYTES, MAX_OUTPUT_FILE_BYTES))

@@ -1,0 +1,369 @@
+"""Grading a whole class (issue 14): stable shards, disjoint jobs, resume, merge, progress and
+the gradebook. Fast tests replace the per-notebook grader by a stand-in (the folder logic is
+what they test); the slow test grades real A1 notebooks with --jobs 2 and sequentially."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import threading
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from autograder.integrations import batch, gradebook, jobs, merge, shards, store
+from autograder.integrations.progress import Progress
+from conftest import REPO as REPO_ROOT, plant_bugs
+
+A1 = "a1_data_parallel"
+
+
+# ----------------------------------------------------------------------------------- shards
+
+def test_shards_are_disjoint_cover_the_class_and_stay_put_when_students_join():
+    students = [f"s{i:03d}" for i in range(200)]
+    slices = [shards.select([(s,) for s in students], k, 4) for k in range(1, 5)]
+    assert sorted(s for sl in slices for (s,) in sl) == students
+    assert all(20 < len(sl) < 80 for sl in slices), [len(sl) for sl in slices]
+    before = {s: shards.shard_of(s, 4) for s in students}
+    later = students + [f"late{i}" for i in range(50)]
+    assert {s: shards.shard_of(s, 4) for s in later if s in before} == before
+
+
+@pytest.mark.parametrize("text", ["0/3", "4/3", "1", "a/b", "1/0"])
+def test_bad_shards_are_refused(text):
+    with pytest.raises(ValueError):
+        shards.parse_shard(text)
+
+
+# -------------------------------------------------------------------------------------- jobs
+
+def test_jobs_get_disjoint_cores_gpus_ports_and_folders(tmp_path):
+    alloc = jobs.Allocator(list(range(6)), ["0", "1", "2", "3"], tmp_path)
+    held, clashes, lock = [], [], threading.Lock()
+
+    def job(need):
+        slot = alloc.acquire(need)
+        with lock:
+            for other in held:
+                if (set(other.cores) & set(slot.cores) or set(other.gpus) & set(slot.gpus)
+                        or other.index == slot.index or other.tmp == slot.tmp
+                        or not (other.ports[1] < slot.ports[0] or slot.ports[1] < other.ports[0])):
+                    clashes.append((other, slot))
+            held.append(slot)
+        assert len(slot.cores) == need.cores and len(slot.gpus) == need.gpus
+        assert slot.tmp.is_dir()
+        time.sleep(0.01)
+        with lock:
+            held.remove(slot)
+        alloc.release(slot)
+
+    needs = [jobs.Needs(2, 2), jobs.Needs(1), jobs.Needs(2), jobs.Needs(3, 1)] * 10
+    threads = [threading.Thread(target=job, args=(n,)) for n in needs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not clashes
+    assert not list(tmp_path.iterdir())          # every job's folder removed after it
+    wide = jobs.Allocator(list(range(256)), [], tmp_path)   # a big machine: ports still fit
+    slots = [wide.acquire(jobs.Needs(1)) for _ in range(256)]
+    assert all(a.ports[1] < b.ports[0] for a, b in zip(slots, slots[1:]))
+    assert slots[0].ports[0] >= 1024 and slots[-1].ports[1] < 32768
+    for slot in slots:
+        wide.release(slot)
+    a = alloc.acquire(jobs.Needs(1))
+    env = a.env({})
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["COURSE_PORTS"] == "%d-%d" % a.ports
+
+
+def test_job_sizes_come_from_the_specs_and_are_capped_at_the_machine():
+    assert jobs.needs_of(A1, 2, 0) == jobs.Needs(1, 0)
+    assert jobs.needs_of("a2_ddp", 2, 0) == jobs.Needs(2, 0)
+    assert jobs.needs_of("a2_ddp", 1, 0) == jobs.Needs(1, 0)   # SKIPs, as when graded alone
+    assert jobs.needs_of("a3_model_pipeline", 16, 8) == jobs.Needs(2, 2)
+    assert jobs.needs_of(A1, 16, 1) == jobs.Needs(1, 1)
+    assert jobs.needs_of(None, 16, 8) == jobs.Needs(1, 0)
+    assert jobs.capacity([jobs.Needs(2)], 2, 0) == 1           # A2 or A3 on this 2-core machine
+    assert jobs.capacity([jobs.Needs(1)], 2, 0) == 2           # A1 without GPUs
+    assert jobs.capacity([jobs.Needs(1, 2), jobs.Needs(2)], 16, 8) == 4
+
+
+def test_a_pinned_grader_runs_on_its_cores_only():
+    import subprocess
+    import sys
+
+    from autograder.invoke import _PIN
+
+    core = sorted(jobs.usable_cores())[-1]
+    out = subprocess.run([sys.executable, "-c", _PIN, str(core), "-c",
+                          "import os; print(sorted(os.sched_getaffinity(0)))"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"[{core}]"
+
+
+def test_ports_come_from_the_jobs_range(monkeypatch):
+    from course.launch import free_port
+
+    monkeypatch.setenv("COURSE_PORTS", "21000-21009")
+    assert all(21000 <= free_port() <= 21009 for _ in range(20))
+
+
+# ----------------------------------------------------------------------------------- progress
+
+def test_progress_is_one_plain_line_per_submission_when_not_a_terminal():
+    stream = io.StringIO()
+    p = Progress(2, stream)
+    p.update("alice: graded, 3/4 (5 s)", failed=False)
+    p.update("bob: timeout, 0/4 (900 s)", failed=True)
+    p.close()
+    assert stream.getvalue().splitlines() == ["[1/2] alice: graded, 3/4 (5 s)",
+                                              "[2/2] bob: timeout, 0/4 (900 s)"]
+
+
+def test_progress_is_a_bar_on_a_terminal():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    p = Progress(2, stream)
+    p.update("alice", failed=False)
+    p.update("bob", failed=True)
+    p.close()
+    assert "2/2" in stream.getvalue() and "failures 1" in stream.getvalue()
+    assert "alice" not in stream.getvalue()
+
+
+# --------------------------------------------------- folder grading with a stand-in grader
+
+def fake_row(path, student, key, score=None):
+    data = json.loads(Path(path).read_text())
+    score = float(data["score"]) if score is None else score
+    results = [{"name": "c1", "function": "f", "points": min(score, 2.0), "max_points": 2.0,
+                "status": "passed" if score >= 2 else "failed", "message": ""},
+               {"name": "c2", "function": "g", "points": max(score - 2, 0.0), "max_points": 3.0,
+                "status": "passed" if score >= 5 else "failed", "message": ""}]
+    report = {"assignment": A1, "score": score, "max_score": 5.0, "results": results}
+    return batch.Graded(student=student, notebook=Path(path).name, assignment=A1, score=score,
+                        max_score=5.0, status=batch.GRADED, not_graded_points=0.0, message="",
+                        key=key, results={"score": score}, report=report, output="table")
+
+
+@pytest.fixture
+def fake_grader(monkeypatch):
+    """batch.grade_one replaced: the 'notebook' is JSON holding its score; records calls and
+    the slot each ran in; ``fail_on`` makes that student's grading raise KeyboardInterrupt."""
+    calls, lock = [], threading.Lock()
+    state = {"fail_on": None}
+
+    def grade_one(notebook, workdir, assignment=None, timeout=0, student="", relpath="",
+                  key="", seed=None, env=None, cpus=None, on_start=None):
+        with lock:
+            calls.append((student, tuple(cpus), env["COURSE_PORTS"], str(workdir)))
+        if student == state["fail_on"]:
+            raise KeyboardInterrupt
+        time.sleep(0.02)
+        return fake_row(notebook, student, key)
+
+    monkeypatch.setattr(batch, "grade_one", grade_one)
+    monkeypatch.setattr(batch, "reference_exposed", lambda: None)
+    return calls, state
+
+
+def make_class(root: Path, n: int = 6) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (root / f"st{i}.ipynb").write_text(json.dumps({"score": i % 6}))
+    return root
+
+
+def grades(out: Path) -> list[dict]:
+    with open(out / "grades.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_resume_skips_unchanged_notebooks_and_force_regrades(fake_grader, tmp_path):
+    calls, _ = fake_grader
+    subs = make_class(tmp_path / "subs")
+    out = tmp_path / "out"
+    first = batch.grade_folder(subs, out, assignment=A1, jobs=2, progress_stream=io.StringIO())
+    assert len(calls) == 6 and [g.score for g in first] == [0, 1, 2, 3, 4, 5]
+    before = grades(out)
+    again = batch.grade_folder(subs, out, assignment=A1, jobs=2, progress_stream=io.StringIO())
+    assert len(calls) == 6 and grades(out) == before
+    assert [g.report for g in again] == [g.report for g in first]
+    (subs / "st3.ipynb").write_text(json.dumps({"score": 5}))       # a resubmission
+    batch.grade_folder(subs, out, assignment=A1, jobs=2, progress_stream=io.StringIO())
+    assert [c[0] for c in calls[6:]] == ["st3"]
+    assert grades(out)[3]["score"] == "5"
+    batch.grade_folder(subs, out, assignment=A1, jobs=2, force=True, progress_stream=io.StringIO())
+    assert len(calls) == 13
+    # each job had its own cores and port range while it ran (2 jobs on A1's 1 core each)
+    assert all(len(c[1]) == 1 for c in calls)
+
+
+def test_an_interrupted_run_leaves_no_half_written_result(fake_grader, tmp_path):
+    calls, state = fake_grader
+    subs = make_class(tmp_path / "subs")
+    out = tmp_path / "out"
+    state["fail_on"] = "st2"
+    with pytest.raises(KeyboardInterrupt):
+        batch.grade_folder(subs, out, assignment=A1, jobs=1, progress_stream=io.StringIO())
+    first = len(calls)                 # st0..st2, maybe st3 (its result is thrown away)
+    done = {r["student"] for r in grades(out)}
+    assert done == {"st0", "st1"}
+    for key in ("st0", "st1"):   # complete folders; nothing of the others
+        assert {p.name for p in (out / key).iterdir()} == {
+            "results.json", "report.json", "output.txt", store.MARKER}
+    assert not any((out / f"st{i}").exists() for i in range(2, 6))
+    state["fail_on"] = None
+    batch.grade_folder(subs, out, assignment=A1, jobs=1, progress_stream=io.StringIO())
+    assert sorted(c[0] for c in calls[first:]) == ["st2", "st3", "st4", "st5"]
+    assert not (out / ".work").exists()
+
+
+def test_a_folder_without_its_marker_is_not_taken_as_a_result(tmp_path):
+    g = fake_row(make_class(tmp_path / "s", 1) / "st0.ipynb", "st0", "st0")
+    store.write_result(tmp_path / "out", g, "fp")
+    assert store.read_result(tmp_path / "out", "st0", "fp", batch.Graded) == g
+    assert store.read_result(tmp_path / "out", "st0", "other", batch.Graded) is None
+    (tmp_path / "out" / "st0" / store.MARKER).unlink()
+    assert store.read_result(tmp_path / "out", "st0", None, batch.Graded) is None
+
+
+def test_two_shards_merged_equal_one_run_and_duplicates_are_refused(fake_grader, tmp_path):
+    subs = make_class(tmp_path / "subs", 12)
+    kw = dict(assignment=A1, jobs=2, progress_stream=io.StringIO())
+    batch.grade_folder(subs, tmp_path / "one", **kw)
+    batch.grade_folder(subs, tmp_path / "s1", shard=(1, 2), **kw)
+    batch.grade_folder(subs, tmp_path / "s2", shard=(2, 2), **kw)
+    assert grades(tmp_path / "s1") and grades(tmp_path / "s2")
+    rows, missing = merge.merge([tmp_path / "s1", tmp_path / "s2"], tmp_path / "merged")
+    assert not missing
+    assert (tmp_path / "merged" / "grades.csv").read_text() == (
+        tmp_path / "one" / "grades.csv").read_text()
+    assert (tmp_path / "merged" / "checks.csv").read_text() == (
+        tmp_path / "one" / "checks.csv").read_text()
+    with pytest.raises(merge.MergeError, match="twice"):
+        merge.merge([tmp_path / "s1", tmp_path / "s1"], tmp_path / "m2")
+    # a shard folder that also holds another shard's student: refused, not counted twice
+    moved = grades(tmp_path / "s2")[0]["student"]
+    manifest = json.loads((tmp_path / "s1" / "shard.json").read_text())
+    manifest["class"][moved] = 1
+    (tmp_path / "s1" / "shard.json").write_text(json.dumps(manifest))
+    import shutil
+    shutil.copytree(tmp_path / "s2" / moved, tmp_path / "s1" / moved)
+    with pytest.raises(merge.MergeError, match=moved):
+        merge.merge([tmp_path / "s1", tmp_path / "s2"], tmp_path / "m3")
+
+
+def test_merge_reports_missing_students_and_shards(fake_grader, tmp_path):
+    subs = make_class(tmp_path / "subs", 12)
+    batch.grade_folder(subs, tmp_path / "s1", assignment=A1, shard=(1, 3),
+                       progress_stream=io.StringIO())
+    gone = grades(tmp_path / "s1")[0]["student"]
+    import shutil
+    shutil.rmtree(tmp_path / "s1" / gone)
+    code = merge.main([str(tmp_path / "s1"), "--out", str(tmp_path / "m")])
+    manifest = json.loads((tmp_path / "m" / "shard.json").read_text())
+    assert code == 3
+    assert manifest["missing_shards"] == [2, 3]
+    others = {f"st{i}" for i in range(12)} - {r["student"] for r in grades(tmp_path / "s1")}
+    assert set(manifest["missing"]) == others | {gone}
+
+
+# ---------------------------------------------------------------------------------- gradebook
+
+def test_class_summaries_and_nbgrader_gradebook(fake_grader, tmp_path):
+    from nbgrader.api import Gradebook
+
+    subs = make_class(tmp_path / "subs", 6)
+    rows = batch.grade_folder(subs, tmp_path / "out", assignment=A1, jobs=2,
+                              progress_stream=io.StringIO())
+    checks = list(csv.DictReader(open(tmp_path / "out" / "checks.csv")))
+    assert [(c["check"], c["passed"], c["failed"]) for c in checks] == [("c1", "4", "2"),
+                                                                         ("c2", "1", "5")]
+    wide = list(csv.DictReader(open(tmp_path / "out" / "gradebook.csv")))
+    assert [(w["student"], w[A1]) for w in wide] == [(f"st{i}", str(i)) for i in range(6)]
+    assert (tmp_path / "out" / "scores.png").read_bytes()[:4] == b"\x89PNG"
+    # the stand-in's report has functions f and g; real reports have the spec's functions
+    real = [fake_row(subs / "st5.ipynb", "st5", "st5")]
+    real[0].report["results"] = [{"function": f, "points": p, "max_points": p}
+                                 for f, p in batch_points().items()]
+    real[0].report["results"][0]["points"] = 0.0
+    db = tmp_path / "gradebook.db"
+    assert gradebook.export_nbgrader(db, real) == 1
+    total = sum(batch_points().values())
+    first = next(iter(batch_points().values()))
+    with Gradebook(f"sqlite:///{db}") as gb:
+        sub = gb.find_submission(A1, "st5")
+        assert sub.score == pytest.approx(total - first)
+        assert sub.max_score == pytest.approx(total)
+    assert rows
+
+
+def batch_points():
+    from autograder.checking.spec import functions_of
+
+    return functions_of(A1)
+
+
+# ------------------------------------------------------------------------- real grading (slow)
+
+@pytest.mark.slow
+def test_jobs_give_the_same_scores_as_grading_one_at_a_time(offline_env, tmp_path, monkeypatch):
+    """Three A1 notebooks (the reference, the stubs, a planted bug), graded sequentially and
+    with --jobs 2 (one core each): the same score and the same status of every check."""
+    from test_grader_a1 import BUGS, RELEASE, SOURCE
+
+    for k, v in offline_env.items():
+        monkeypatch.setenv(k, v)
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    (subs / "ref.ipynb").write_bytes(SOURCE.read_bytes())
+    (subs / "stub.ipynb").write_bytes(RELEASE.read_bytes())
+    nbformat.write(plant_bugs(nbformat.read(SOURCE, as_version=4),
+                              {"allreduce": BUGS["allreduce"]}), subs / "bug.ipynb")
+    runs = {}
+    for jobs_n in (1, 2):
+        rows = batch.grade_folder(subs, tmp_path / f"out{jobs_n}", jobs=jobs_n,
+                                  progress_stream=io.StringIO())
+        runs[jobs_n] = {g.student: (g.score, g.max_score, g.status,
+                                    [(r["name"], r["status"], r["message"] if r["status"] ==
+                                      "skipped" else "") for r in g.report["results"]])
+                        for g in rows}
+    assert runs[1] == runs[2]
+    assert runs[2]["ref"][0] == runs[2]["ref"][1] > 0 and runs[2]["stub"][0] == 0
+    assert 0 < runs[2]["bug"][0] < runs[2]["ref"][0]
+
+
+# ------------------------------------------------------------------------- cluster launchers
+
+def test_slurm_array_task_grades_its_shard(tmp_path):
+    import os
+    import subprocess
+
+    env = dict(os.environ, SLURM_ARRAY_TASK_ID="2", SLURM_ARRAY_TASK_COUNT="4", PYTHON="echo",
+               SLURM_SUBMIT_DIR=str(tmp_path))
+    out = subprocess.run(["bash", str(REPO_ROOT / "course/scripts/slurm_grade.sbatch"), "subs",
+                          "grades"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["-m", "autograder", "grade-folder", "subs", "grades/shard-3-of-4",
+                           "--shard", "3/4"]
+
+
+def test_kubernetes_indexed_job_shards_match_its_completions():
+    import yaml
+
+    job = yaml.safe_load((REPO_ROOT / "docker/k8s-grade-job.yaml").read_text())
+    merge_job = yaml.safe_load((REPO_ROOT / "docker/k8s-grade-merge.yaml").read_text())
+    spec = job["spec"]
+    env = {e["name"]: e["value"] for e in spec["template"]["spec"]["containers"][0]["env"]}
+    merge_env = {e["name"]: e["value"]
+                 for e in merge_job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert spec["completionMode"] == "Indexed"
+    assert int(env["SHARDS"]) == spec["completions"] == int(merge_env["SHARDS"])
+    assert "GRADE_SHARD=$k/$SHARDS" in spec["template"]["spec"]["containers"][0]["args"][0]

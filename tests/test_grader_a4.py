@@ -1,0 +1,154 @@
+"""Assignment 4 through the CLI: the reference scores full, the stubs zero, each planted bug
+loses points of the function it breaks and of no other.
+
+Grading runs start processes (every rank imports torch), so the bugs in the four functions
+that run in the sandbox itself are planted together in one run; ``BucketedDDP`` and
+``ShardedOptimizer`` keep their full points there although ``assign_buckets`` and
+``shard_bounds`` are broken, because the grader runs them with the reference's versions. The
+classes' own bugs are graded with ``--only``, one bug per class in each of two runs.
+"""
+from __future__ import annotations
+
+import nbformat
+import pytest
+
+from autograder.checking.spec import functions_of
+from conftest import (REPO, assert_full_marks, assert_stubs_score_zero, grade, plant_bugs,
+                      points_by_function)
+
+SOURCE = REPO / "solutions" / "a4_sharding" / "sharding.ipynb"
+RELEASE = REPO / "assignments" / "a4_sharding" / "sharding.ipynb"
+
+# function -> (text in the reference answer cell, replacement that breaks it); each fails its
+# function's value check (its ValueError check still passes: that part is not broken)
+LEAF_BUGS = {
+    # buckets filled in forward order: the first bucket waits for the last gradient
+    "assign_buckets": ("for index in reversed(range(len(param_numels))):",
+                       "for index in range(len(param_numels)):"),
+    # floor instead of ceil: the last elements belong to nobody
+    "shard_bounds": ("chunk = (numel + world_size - 1) // world_size",
+                     "chunk = numel // world_size"),
+    # stage 2 keeps the full gradients
+    "model_state_bytes": ("grad_bytes * (shard if stage >= 2 else num_params)",
+                          "grad_bytes * (shard if stage >= 3 else num_params)"),
+    # stage 2 counted as if it all-gathered parameters in backward as well
+    "comm_bytes_per_step": ("k = 3 if stage == 3 else 2", "k = 3 if stage >= 2 else 2"),
+}
+# The classes' bugs, two runs with one bug in each class: (function, bug, the checks it fails)
+CLASS_BUG_RUNS = {
+    "no_mean_and_no_overlap": [
+        ("ShardedOptimizer", ("        shard_grad /= self.world_size\n", ""),
+         "sharded_optimizer_matches_one_process"),
+        # every bucket waits for finish_gradient_synchronization(): correct, but no overlap
+        ("BucketedDDP", ("        while len(self.launched) < len(self.buckets) and "
+                         "self.waiting[len(self.launched)] == 0:\n"
+                         "            self._launch(len(self.launched))\n\n    def _launch",
+                         "        pass\n\n    def _launch"),
+         "bucketed_ddp_first_all_reduce_before_parameter_0_gradient")],
+    "all_reduce_and_no_mean": [
+        ("ShardedOptimizer", ("        dist.reduce_scatter_single(shard_grad, flat_grad)\n",
+                              "        dist.all_reduce(flat_grad)\n"
+                              "        shard_grad.copy_(flat_grad[self.rank * self.chunk:"
+                              "(self.rank + 1) * self.chunk])\n"),
+         "sharded_optimizer_one_reduce_scatter_one_all_gather_per_step"),
+        ("BucketedDDP", ("            flat /= world_size\n", ""),
+         "bucketed_ddp_gradients_match_one_process"),
+        # the gathered weight saved for backward instead of gathered again
+        ("ShardedLinear", ("        ctx.save_for_backward(x)\n        return F.linear(x, weight, bias)\n"
+                           "\n    @staticmethod\n    def backward(ctx, grad_out):\n"
+                           "        (x,) = ctx.saved_tensors\n        layer = ctx.layer\n"
+                           "        weight, _ = layer.gather()\n",
+                           "        ctx.save_for_backward(x, weight)\n"
+                           "        return F.linear(x, weight, bias)\n"
+                           "\n    @staticmethod\n    def backward(ctx, grad_out):\n"
+                           "        x, weight = ctx.saved_tensors\n        layer = ctx.layer\n"),
+         "sharded_linear_keeps_no_full_weight_between_forward_and_backward")],
+}
+
+
+def with_bugs(tmp_path, bugs: dict, name: str = "submission"):
+    path = tmp_path / f"{name}.ipynb"
+    nbformat.write(plant_bugs(nbformat.read(SOURCE, as_version=4), bugs), path)
+    return path
+
+
+@pytest.mark.slow
+def test_reference_solution_scores_full_marks(offline_env):
+    report = grade(SOURCE, env=offline_env)
+    assert_full_marks(report)
+    print(report["stdout"])
+
+
+@pytest.mark.slow
+def test_released_stubs_score_zero_with_readable_messages(offline_env):
+    report = grade(RELEASE, env=offline_env)
+    assert_stubs_score_zero(report)
+    for r in report["results"]:
+        assert "course/launch.py" not in r["message"], r
+
+
+@pytest.mark.slow
+def test_planted_bugs_in_the_sandboxed_functions_lose_their_points_and_no_other(offline_env,
+                                                                               tmp_path):
+    report = grade(with_bugs(tmp_path, LEAF_BUGS), env=offline_env)
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    full, got = functions_of("a4_sharding"), points_by_function(report)
+    assert got.keys() == full.keys()
+    values_check = {"assign_buckets": "assign_buckets_reverse_order_and_size_rule",
+                    "shard_bounds": "shard_bounds_ceil_chunks_and_empty_shards",
+                    "model_state_bytes": "model_state_bytes_every_stage_and_precision",
+                    "comm_bytes_per_step": "comm_bytes_per_step_every_stage"}
+    status = {r["name"]: r for r in report["results"]}
+    for function in full:
+        if function in LEAF_BUGS:
+            failed = status[values_check[function]]
+            assert failed["status"] == "failed" and failed["message"], failed
+            assert got[function] < full[function], report["stdout"]
+        else:  # BucketedDDP and ShardedOptimizer run with the reference's helpers
+            assert got[function] == full[function], (function, report["stdout"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", sorted(CLASS_BUG_RUNS))
+def test_bugs_in_the_classes_fail_their_checks(run, offline_env, tmp_path):
+    bugs = CLASS_BUG_RUNS[run]
+    report = grade(with_bugs(tmp_path, {f: bug for f, bug, _ in bugs}, run),
+                   "--only", ",".join(f for f, _, _ in bugs), env=offline_env)
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    assert {r["function"] for r in report["results"]} == {f for f, _, _ in bugs}
+    status = {r["name"]: r["status"] for r in report["results"]}
+    full, got = functions_of("a4_sharding"), points_by_function(report)
+    for function, _, check in bugs:
+        assert status[check] == "failed", report["stdout"]
+        assert got[function] < full[function], report["stdout"]
+    assert all(r["message"] for r in report["results"] if r["status"] == "failed")
+
+
+def test_handed_over_results_survive_a_rank_that_aborts_at_exit():
+    """A rank that aborts after its work (as gloo sometimes does at process exit) costs
+    nothing: the results saved before teardown are the run's results; a rank that aborts
+    before its result is saved still fails the run."""
+    from autograder.assignments.a4_sharding.ranks import run_ranks_keeping_results
+    from autograder.checking.ranks import run_ranks
+
+    def abort_at_teardown(rank, world_size):
+        import os
+
+        import torch.distributed as dist
+
+        if rank == 1:  # the launcher's goodbye barrier is where this rank dies
+            dist.barrier = lambda *args, **kwargs: os.abort()
+        return {"rank": rank}
+
+    def abort_before_returning(rank, world_size):
+        import os
+
+        if rank == 1:
+            os.abort()
+        return {"rank": rank}
+
+    with pytest.raises(RuntimeError):  # what the guard is for: the plain run fails
+        run_ranks(abort_at_teardown, 2)
+    assert run_ranks_keeping_results(abort_at_teardown, 2) == [{"rank": 0}, {"rank": 1}]
+    with pytest.raises(RuntimeError):
+        run_ranks_keeping_results(abort_before_returning, 2)
