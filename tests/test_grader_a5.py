@@ -37,8 +37,8 @@ BUGS = {
         "            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)\n",
         "            pass\n"),
     # gradients averaged over the tp group instead of the dp group
-    "train_2d": ("                    p -= lr * (_all_reduce(p.grad, dp_group) / dp)\n",
-                 "                    p -= lr * (_all_reduce(p.grad, tp_group) / tp)\n"),
+    "train_2d": ("                param.sub_(_all_reduce(param.grad, dp_group) / dp, alpha=lr)\n",
+                 "                param.sub_(_all_reduce(param.grad, tp_group) / tp, alpha=lr)\n"),
 }
 # rank r takes the slice of rank n - 1 - r in both layers (_my_slice is in Part 1's cell and
 # used by both): every block still equals the dense one, only per-rank checks see it

@@ -16,6 +16,7 @@ import contextlib
 import gc
 import io
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -268,6 +269,20 @@ def _largest_alive(exclude: set[int]) -> int:
     return max((n for ptr, n in _alive_storages().items() if ptr not in exclude), default=0)
 
 
+def _largest_alive_settled(exclude: set[int], below: int, seconds: float = 2.0) -> int:
+    """:func:`_largest_alive`, measured again every 10 ms for up to ``seconds`` while it is
+    ``below`` or more elements. Why: gloo's worker thread marks a collective done before it drops
+    its own reference to the work (and so to the output buffer); for a moment after the student's
+    last reference is gone the buffer is still alive, and the reference layer failed this check
+    now and then on a busy machine. A buffer the layer really keeps stays alive."""
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = _largest_alive(exclude)
+        if alive < below or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.01)
+
+
 def rank_sharded_linear(rank, world_size, cls, seed, cases):
     """Each case ``(in, out, bias, batch, input needs grad)``: the student's layer built under
     ``torch.manual_seed`` (float64 default dtype) and its initial parameters; then the case's
@@ -297,9 +312,9 @@ def rank_sharded_linear(rank, world_size, cls, seed, cases):
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     y = layer(x)
                 mine = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-                gc.collect()  # garbage waiting for the collector is not kept alive by the layer
-                alive = _largest_alive(before | mine | {t.untyped_storage().data_ptr()
-                                                        for t in (x, y, grad_out)})
+                alive = _largest_alive_settled(
+                    before | mine | {t.untyped_storage().data_ptr() for t in (x, y, grad_out)},
+                    below=in_f * out_f)
                 (y * grad_out).sum().backward()
             params = list(layer.parameters())
             out.append({"initial": describe(initial), "output": describe(y.detach()),
