@@ -1,7 +1,7 @@
 """``python -m autograder``: the grader's commands.
 
-- ``grade NOTEBOOK [--assignment A] [--only F,G] [--seed N] [--json results.json] [--report
-  report.json]``: grade one submission. The flow a newcomer can follow:
+- ``grade NOTEBOOK [--assignment A] [--only F,G] [--seed N] [--speed skip] [--json
+  results.json] [--report report.json]``: grade one submission. The flow a newcomer can follow:
   :func:`autograder.submission.load_submission` (trusted notebook + the student's answer cells)
   -> :func:`autograder.checking.harness.run_checks` (pytest, the student code in a sandboxed
   child) -> :mod:`autograder.report` (the table) and :mod:`autograder.results` (JSON shapes).
@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -44,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
                          help="grade only the checks of these functions (comma-separated)")
         cmd.add_argument("--seed", type=int, help="the inputs' seed (a report prints its own)")
         cmd.add_argument("--report", metavar="PATH", help="write the full report as JSON here")
+        cmd.add_argument("--speed", choices=("measure", "skip"),
+                         default=os.environ.get("AUTOGRADER_SPEED", "measure"),
+                         help="skip: speed checks SKIP with that reason, nothing is timed (for "
+                              "a machine whose timings mean nothing, e.g. shared; default: "
+                              "$AUTOGRADER_SPEED or measure)")
     return p
 
 
@@ -80,11 +86,12 @@ def main(argv: list[str] | None = None) -> int:
                                          "max_score": 0, "error": str(exc), "results": []})
             return 2
         report = run_checks(sub.assignment, sub.cells, only=args.only, problems=sub.problems,
-                            seed=args.seed)
+                            seed=args.seed, measure_speed=args.speed == "measure")
     else:  # grade-objects: the kernel's own definitions, after the trusted set-up cells
         setup = [c for c in runnable_cells(get(args.assignment).release) if c[0] == "setup"]
         report = run_checks(args.assignment, setup, objects=Path(args.pickle).read_bytes(),
-                            only=args.only, seed=args.seed)
+                            only=args.only, seed=args.seed,
+                            measure_speed=args.speed == "measure")
     print(table(report))
     if getattr(args, "json", None):
         write_json(args.json, gradescope(report))

@@ -17,6 +17,11 @@ from pathlib import Path
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 TAG = {PASSED: "PASS", FAILED: "FAIL", SKIPPED: "SKIP"}
+#: Why a speed check SKIPs under ``--speed skip``: nothing was timed, and (unlike a SKIP for
+#: hardware that cannot show a speedup) the timed code was not run either, so no integration
+#: awards its points.
+SPEED_NOT_MEASURED = ("speed not measured: this grading run was asked not to time anything "
+                      "(--speed skip or AUTOGRADER_SPEED=skip); no points were measured here")
 
 
 @dataclass

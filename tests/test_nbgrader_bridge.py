@@ -48,3 +48,19 @@ def test_self_check_fails_a_stub_with_a_readable_message(offline_env, monkeypatc
     error = failed['check("copy_params")']
     assert error.ename == "CheckFailed" and "NotImplementedError" in error.evalue
     assert error.traceback == [f"CheckFailed: {error.evalue}"]  # no grader frames shown
+
+
+def test_a_speed_check_left_unrun_earns_nothing_in_nbgrader(monkeypatch):
+    """A SKIP because the hardware cannot show a speedup awards its points by default (the
+    check ran the timed code and found it correct); a SKIP because the run was told not to time
+    anything (``--speed skip``) ran nothing, so it awards none."""
+    from autograder.integrations.nbgrader_plugin import cell_outputs, skipped_points
+    from autograder.results import SKIPPED, SPEED_NOT_MEASURED
+
+    monkeypatch.delenv("AUTOGRADER_SKIPPED", raising=False)
+    hardware = {"function": "f", "status": SKIPPED, "max_points": 2.0, "points": 0.0,
+                "name": "f_speed", "seconds": 0.0, "message": "needs 2 cores"}
+    unrun = dict(hardware, message=SPEED_NOT_MEASURED)
+    assert skipped_points(hardware) == 2.0 and skipped_points(unrun) == 0.0
+    (*_, last) = cell_outputs({"results": [unrun]}, "f", 2.0)
+    assert last.output_type == "error"

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from ..results import FAILED, PASSED, SKIPPED, CheckResult, Report
+from ..results import FAILED, PASSED, SKIPPED, SPEED_NOT_MEASURED, CheckResult, Report
 from ..sandbox import MAX_CALL_TIMEOUT, CallTimeout, Sandbox, SandboxError
 from . import timeouts
 from .spec import Check
@@ -107,9 +107,10 @@ def skip_unless(condition: bool, reason: str) -> None:
 class _Collector:
     """pytest plugin: provides the ``student`` fixture and records each check's outcome."""
 
-    def __init__(self, student: Student, only: set[str] | None):
+    def __init__(self, student: Student, only: set[str] | None, measure_speed: bool = True):
         self._student = student
         self.only = only
+        self.measure_speed = measure_speed
         self.results: list[CheckResult] = []
         self._checks: dict[str, Check] = {}
 
@@ -120,7 +121,10 @@ class _Collector:
 
     @pytest.fixture
     def _begin_check(self, request):
-        self._student.begin(self._checks[request.node.nodeid])
+        check = self._checks[request.node.nodeid]
+        if check.speed and not self.measure_speed:
+            pytest.skip(SPEED_NOT_MEASURED)
+        self._student.begin(check)
 
     def pytest_configure(self, config):
         config.addinivalue_line("markers", "graded(check): a graded check")
@@ -175,9 +179,10 @@ def _message(excinfo) -> str:
 
 def run_checks(assignment: str, cells: list[tuple[str, str]], *, objects: bytes | None = None,
                only: str | None = None, problems: list[str] | None = None,
-               seed: int | None = None) -> Report:
+               seed: int | None = None, measure_speed: bool = True) -> Report:
     """Grade ``cells`` (and/or pickled ``objects``) with the checks of ``assignment``; ``only``
-    names functions (``"f"`` or ``"f,g"``); ``seed`` repeats a run's inputs."""
+    names functions (``"f"`` or ``"f,g"``); ``seed`` repeats a run's inputs; without
+    ``measure_speed`` the speed checks SKIP unrun (timings on a shared machine mean nothing)."""
     from course.devices import hardware_summary
 
     from ..registry import get
@@ -189,7 +194,7 @@ def run_checks(assignment: str, cells: list[tuple[str, str]], *, objects: bytes 
     calibration = timeouts.calibrated(assignment)
     student = Student(Sandbox(cells=cells, objects=objects), calibration)
     wanted = {f.strip() for f in only.split(",") if f.strip()} if only else None
-    collector = _Collector(student, wanted)
+    collector = _Collector(student, wanted, measure_speed)
     args = [str(path), "-p", "no:cacheprovider", "-p", "no:terminal", "-p", "no:randomly",
             "-o", "addopts=",
             # assertion rewriting for the checks module only: "*.py" would rewrite every module
@@ -206,5 +211,7 @@ def run_checks(assignment: str, cells: list[tuple[str, str]], *, objects: bytes 
         report.notes.append(f"cell {cell_id!r} raised while loading: {err}")
     report.notes.append("call timeouts: " + ("calibrated on this machine (20 x the reference's)"
                                              if calibration else "the spec's defaults"))
+    if not measure_speed:
+        report.notes.append("speed checks not run (--speed skip)")
     report.notes.append(f"graded in {time.monotonic() - start:.1f} s")
     return report

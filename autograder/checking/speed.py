@@ -98,13 +98,15 @@ def _sign_test_below(ratios: list[float], bar: float) -> float:
 
 
 def judge_rounds(one_round, *, what: str, fixed_threshold: float, reference_minimum: float,
-                 has_reference: bool, min_rounds: int = 5, max_rounds: int = 15) -> None:
+                 has_reference: bool, min_rounds: int = 3, max_rounds: int = 15) -> None:
     """Pass, fail (AssertionError) or skip a speedup from paired rounds.
 
     ``one_round(i)`` returns ``(student speedup, reference speedup or None)`` from one round
     (it alternates who goes first by ``i``). With the reference, the student needs
     :data:`FRACTION_OF_REFERENCE` of it, and the reference needs ``reference_minimum`` (else
     SKIP); without it (the student edition), the student needs ``fixed_threshold``.
+    ``min_rounds`` is few on purpose: a pass needs only the median, and a failure needs at least
+    seven rounds whatever it is (a sign test at 1% cannot reject on fewer).
     """
     from .harness import skip_unless
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_output
 
-from ..results import FAILED, SKIPPED, result_lines
+from ..results import FAILED, SKIPPED, SPEED_NOT_MEASURED, result_lines
 
 try:
     from nbgrader.preprocessors import NbGraderPreprocessor
@@ -77,8 +77,11 @@ def skipped_points(result: dict) -> float:
 
     A skipped speedup check has already verified the timed function is correct (see the check
     modules); nbgrader has no "skipped", so by default it awards the points and the output says
-    why. ``AUTOGRADER_SKIPPED=zero`` gives none instead.
+    why. ``AUTOGRADER_SKIPPED=zero`` gives none instead. A check skipped because the run was
+    told not to time anything (``AUTOGRADER_SPEED=skip``) verified nothing: no points.
     """
+    if result.get("message") == SPEED_NOT_MEASURED:
+        return 0.0
     return 0.0 if os.environ.get("AUTOGRADER_SKIPPED", "award") == "zero" else result["max_points"]
 
 
