@@ -44,7 +44,11 @@ CLASS_BUG_RUNS = {
                          "self.waiting[len(self.launched)] == 0:\n"
                          "            self._launch(len(self.launched))\n\n    def _launch",
                          "        pass\n\n    def _launch"),
-         "bucketed_ddp_first_all_reduce_before_parameter_0_gradient")],
+         "bucketed_ddp_first_all_reduce_before_parameter_0_gradient"),
+        # the gathered vector kept on the layer: alive between forward and backward
+        ("ShardedLinear", ("        dist.all_gather_single(full, send)\n",
+                           "        dist.all_gather_single(full, send)\n        self._kept = full\n"),
+         "sharded_linear_keeps_no_full_weight_between_forward_and_backward")],
     "all_reduce_and_no_mean": [
         ("ShardedOptimizer", ("        dist.reduce_scatter_single(shard_grad, flat_grad)\n",
                               "        dist.all_reduce(flat_grad)\n"

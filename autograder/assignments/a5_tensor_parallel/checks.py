@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn.functional as F
 
 from autograder.checking.expect import assert_close, assert_close_float32, fresh_generator, tensor
