@@ -132,13 +132,15 @@ def assert_full_marks(report: dict) -> None:
 
 
 def assert_stubs_score_zero(report: dict) -> None:
-    """Zero, and every failure says NotImplementedError without a traceback."""
+    """Zero, and every failure says NotImplementedError without a traceback; no message names
+    the launcher's frames (course/launch.py), which would point a student at the wrong file."""
     assert report["returncode"] == 0, report["stdout"] + report["stderr"]
     assert report["score"] == 0
     assert report["max_score"] > 0
     for r in report["results"]:
         if r["status"] == "failed":
             assert "NotImplementedError" in r["message"], r
+        assert "course/launch.py" not in r["message"], r
     assert "Traceback" not in report["stdout"]
 
 

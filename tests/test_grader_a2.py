@@ -68,9 +68,6 @@ def test_reference_solution_scores_full_marks(offline_env):
 def test_released_stubs_score_zero_with_readable_messages(offline_env):
     report = grade(RELEASE, env=offline_env)
     assert_stubs_score_zero(report)
-    for r in report["results"]:
-        if r["status"] == "failed":
-            assert "course/launch.py" not in r["message"], r
 
 
 @pytest.mark.slow
