@@ -35,7 +35,9 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
+# torch is imported where it is used, not here: the grader's sandbox imports this module to start
+# the fork server (start_fork_server) before it imports torch itself, so that both imports run
+# at once.
 
 
 class LaunchError(RuntimeError):
@@ -66,13 +68,16 @@ def free_port() -> int:
 
 def default_backend(world_size: int) -> str:
     """NCCL when every rank can have its own GPU, gloo otherwise."""
+    import torch
+
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         return "nccl"
     return "gloo"
 
 
-def device_for(rank: int) -> torch.device:
+def device_for(rank: int) -> "torch.device":
     """The device rank ``rank`` should use: its own GPU under NCCL, else the CPU."""
+    import torch
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_backend() == "nccl":
@@ -95,13 +100,36 @@ def start_method() -> str:
     return "exec"
 
 
+#: What the fork server imports before it forks its first rank.
+FORK_SERVER_PRELOAD = ("torch", "torch.distributed", "cloudpickle", "course.launch")
+#: More modules for it to import, comma-separated (e.g. ``torch.distributed.tensor``, which
+#: costs every rank a second or more to import): the grader sets it for assignments whose ranks
+#: use them.
+PRELOAD_ENV = "COURSE_LAUNCH_PRELOAD"
+
+
 def _fork_server_context():
     """multiprocessing's fork server, which starts once per process on first use. It imports
-    torch and torch.distributed and then only ever forks: no thread pool, no CUDA, nothing that
-    a fork could copy in a bad state. (The preload list matters only when it starts.)"""
+    torch and torch.distributed (and ``$COURSE_LAUNCH_PRELOAD``) and then only ever forks: no
+    thread pool, no CUDA, nothing that a fork could copy in a bad state. (The preload list
+    matters only when it starts.)"""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "course.launch"])
+    extra = [m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
+    context.set_forkserver_preload([*FORK_SERVER_PRELOAD, *extra])
     return context
+
+
+def start_fork_server() -> bool:
+    """Start the fork server now, without waiting for its imports, so that they overlap with
+    whatever this process does next (the grader's sandbox calls it before it imports torch and
+    loads a submission). Returns whether ranks will start from it (:func:`start_method`)."""
+    if start_method() != "forkserver":
+        return False
+    _fork_server_context()
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    return True
 
 
 class _Rank:
@@ -200,6 +228,7 @@ class _PortTaken(Exception):
 
 def _launch(fn, world_size, args, backend, timeout, threads, collective_timeout, quiet, env):
     import cloudpickle
+    import torch
 
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
@@ -285,6 +314,7 @@ def _wait(procs, timeout):
 def _worker(tmp: str, rank: int) -> None:
     """Body of one rank: join the group, run the function, save its return value."""
     import cloudpickle
+    import torch
     import torch.distributed as dist
 
     torch.set_num_threads(int(os.environ.get("LAUNCH_THREADS", "1")))

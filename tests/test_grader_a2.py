@@ -147,15 +147,3 @@ def test_patching_point_to_point_does_not_touch_the_reference_ring(offline_env, 
         assert points_by_function(report)["ring_allreduce"] < full, report["stdout"]
     assert reports[True]["score"] == reports[False]["score"], \
         (reports[True]["stdout"], reports[False]["stdout"])
-
-
-@pytest.mark.slow
-def test_reference_keeps_train_ddps_points_at_the_seed_where_it_once_lost_them(offline_env):
-    """At this seed the reference's train_ddp on 2 processes strayed 1.42e-06 from float64 in
-    one parameter, more than 16x the float32 reference's stray in that parameter alone; the
-    tolerance now comes from the whole training run (expect.float32_tolerance_of_all)."""
-    report = grade(SOURCE, "--seed", "329504206", "--only", "train_ddp,average_gradients",
-                   "--speed", "skip", env=offline_env)
-    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    lost = [r["name"] for r in report["results"] if r["status"] == "failed"]
-    assert not lost, report["stdout"]

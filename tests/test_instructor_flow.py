@@ -20,6 +20,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from autograder.checking.spec import load_spec
 from conftest import REPO, paste_reference_answers, plant_bugs
 from test_grader_a1 import BUGS
 
@@ -30,6 +31,12 @@ STUDENTS = {"a1_data_parallel": ["alice", "bob", "carol", "dave"],
 CHEAT = ("import autograder\n"
          "def check(*args, **kwargs):\n    print('PASS')\n"
          "autograder.check = check\n")
+#: Assignments autograded with ``AUTOGRADER_SPEED=skip``: timing A2's and A3's speed checks
+#: would double the flow's time and prove nothing about nbgrader (their speed checks are graded
+#: in tests/test_grader_a2.py and test_grader_a3.py); nbgrader awards nothing for a speed check
+#: it did not run. A1 keeps measuring: on a machine without 2 GPUs its speed check is a hardware
+#: SKIP, whose points nbgrader awards (AUTOGRADER_SKIPPED, docs/instructor.md).
+SPEED_SKIPPED = ("a2_ddp", "a3_model_pipeline")
 ALICE_WRITES = ("Two devices were slower for me because each step moved shards and gradients "
                 "between them, which cost more than the arithmetic it saved.")
 
@@ -58,6 +65,14 @@ def check_cell_points(assignment: str) -> dict[str, float]:
         if cell.cell_type == "code" and meta(cell).get("grade") and m:
             points[m.group(1)] = float(meta(cell)["points"])
     return points
+
+
+def graded_cells(path: Path) -> dict[str, str]:
+    """What each autograded test cell of a notebook shows (for a failing test's message)."""
+    nb = nbformat.read(path, as_version=4)
+    return {meta(c)["grade_id"]: "".join(o.get("text", "") or str(o.get("data", o.get("evalue")))
+                                         for o in c.outputs)[-600:]
+            for c in nb.cells if c.cell_type == "code" and meta(c).get("grade")}
 
 
 def written_cells(assignment: str) -> list:
@@ -127,7 +142,8 @@ def course(tmp_path_factory, offline_env) -> Path:
             folder = course / "submitted" / student / assignment
             folder.mkdir(parents=True)
             nbformat.write(nb, folder / notebook)
-        nbgrader(course, env, "autograde", assignment, "--force")
+        nbgrader(course, {**env, "AUTOGRADER_SPEED": "skip"} if assignment in SPEED_SKIPPED
+                 else env, "autograde", assignment, "--force")
         nbgrader(course, env, "generate_feedback", assignment, "--force")
     nbgrader(course, env, "export", "--to", str(course / "grades.csv"))
     return course
@@ -142,13 +158,16 @@ def test_exported_scores_per_student(course, assignment):
     assert full > 0 and written > 0
     with open(course / "grades.csv") as f:
         rows = {r["student_id"]: r for r in csv.DictReader(f) if r["assignment"] == assignment}
-    expected = {"alice": full, "bob": 0.0}
+    unrun = sum(c.points for c in load_spec(assignment).checks if c.speed) \
+        if assignment in SPEED_SKIPPED else 0.0
+    expected = {"alice": full - unrun, "bob": 0.0}
     if assignment == "a1_data_parallel":
         expected.update(carol=full - points["allreduce"], dave=0.0)
     assert set(expected) == set(STUDENTS[assignment]) <= set(rows)
     for student, want in expected.items():
         row = rows[student]
-        assert float(row["score"]) == pytest.approx(want), (student, row)
+        assert float(row["score"]) == pytest.approx(want), (student, row, graded_cells(
+            course / "autograded" / student / assignment / NOTEBOOKS[assignment]))
         assert float(row["max_score"]) == pytest.approx(full + written), (student, row)
 
 

@@ -1,6 +1,7 @@
 """Correct code never loses a point: every reference solution, graded under many seeds while a
 busy process runs on every core, gets full marks on every check each time. ``--seeds N`` sets
-how many (3 in the default suite, 2 minutes each on 2 cores; ``--seeds 50`` for a long run).
+how many (3 in the default suite, 2 minutes each on 2 cores; ``--seeds 50`` for a long run),
+the seeds at which a reference once lost points (:data:`ONCE_LOST`) among them.
 
 Speed checks are not run here (``--speed skip``): under a busy process per core they can only
 SKIP (the reference cannot show a speedup either). They are graded in full, on a quiet machine,
@@ -19,13 +20,24 @@ from autograder.checking.spec import load_spec
 from autograder.registry import ASSIGNMENTS
 
 
+#: Seeds at which a reference once lost points (each a fixed grader bug): every run grades them
+#: first, then random seeds up to ``--seeds``.
+ONCE_LOST = {
+    # train_ddp on 2 processes: one parameter strayed 1.42e-06 from float64, over 16x the
+    # float32 reference's stray in that parameter alone; the tolerance now comes from the whole
+    # run (expect.float32_tolerance_of_all)
+    "a2_ddp": [329504206],
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("assignment", list(ASSIGNMENTS))
 def test_reference_gets_full_marks_under_load_for_every_seed(assignment, busy_cores, request,
                                                              offline_env):
     source = REPO / "solutions" / assignment / ASSIGNMENTS[assignment].notebook
     first = secrets.randbits(30)
-    seeds = [first + i for i in range(request.config.getoption("--seeds"))]
+    known = ONCE_LOST.get(assignment, [])
+    seeds = known + [first + i for i in range(request.config.getoption("--seeds") - len(known))]
     checks = load_spec(assignment).checks
     for seed in seeds:
         report = grade(source, "--seed", str(seed), "--speed", "skip", env=offline_env,

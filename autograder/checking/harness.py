@@ -54,7 +54,7 @@ class Student:
         limit = min(timeout or self.timeout, MAX_CALL_TIMEOUT)
         start = time.perf_counter()
         try:
-            if not self.sandbox.alive():
+            if self.sandbox.loading or not self.sandbox.alive():
                 self._start()
             return self.sandbox.call(probe, *args, timeout=limit)
         except CallTimeout:
@@ -92,7 +92,10 @@ class Student:
 
     def _start(self):
         try:
-            self.sandbox.start()
+            if self.sandbox.loading:
+                self.sandbox.finish_start()
+            else:
+                self.sandbox.start()
         except SandboxError as exc:
             self._load_failure = f"your notebook's code could not be loaded: {exc}"
             raise AssertionError(self._load_failure) from None
@@ -183,16 +186,21 @@ def run_checks(assignment: str, cells: list[tuple[str, str]], *, objects: bytes 
     """Grade ``cells`` (and/or pickled ``objects``) with the checks of ``assignment``; ``only``
     names functions (``"f"`` or ``"f,g"``); ``seed`` repeats a run's inputs; without
     ``measure_speed`` the speed checks SKIP unrun (timings on a shared machine mean nothing)."""
+    from ..registry import get
+    from .spec import load_spec
+
+    path = get(assignment).checks_path
+    sandbox = Sandbox(cells=cells, objects=objects, rank_modules=load_spec(assignment).rank_modules)
+    sandbox.begin_start()  # the worker imports torch and runs the cells while we import ours
+
     from course.devices import hardware_summary
 
-    from ..registry import get
     from ..sandbox.isolation import isolation_summary
     from .expect import set_run_seed
 
-    path = get(assignment).checks_path
     seed = set_run_seed(seed)
     calibration = timeouts.calibrated(assignment)
-    student = Student(Sandbox(cells=cells, objects=objects), calibration)
+    student = Student(sandbox, calibration)
     wanted = {f.strip() for f in only.split(",") if f.strip()} if only else None
     collector = _Collector(student, wanted, measure_speed)
     args = [str(path), "-p", "no:cacheprovider", "-p", "no:terminal", "-p", "no:randomly",

@@ -55,6 +55,10 @@ class Spec:
     cores_for_speed: int = 1
     #: GPUs its speed checks need to themselves (0: none; a machine with fewer SKIPs them)
     gpus_for_speed: int = 0
+    #: None when its checks start no ranks; else the modules its ranks import beyond torch and
+    #: torch.distributed (may be empty). Then the sandbox starts the ranks' fork server with
+    #: them preloaded as the submission loads: no rank pays for those imports again.
+    rank_modules: tuple[str, ...] | None = None
 
     def function(self, name: str) -> Function:
         return next(f for f in self.functions if f.name == name)

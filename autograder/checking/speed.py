@@ -61,7 +61,9 @@ def reference_sandbox(assignment: str, timeout: float = 120.0):
     if cells is None:
         yield None
         return
-    with Sandbox(cells=cells) as box:
+    from .spec import load_spec
+
+    with Sandbox(cells=cells, rank_modules=load_spec(assignment).rank_modules) as box:
         box.start()
         yield partial(box.call, timeout=timeout)
 

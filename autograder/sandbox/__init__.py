@@ -27,16 +27,20 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
+from course.launch import PRELOAD_ENV
+
 from ..registry import REPO
 from . import framing
 from .framing import decode_reply, read_frame, write_frame
 from .isolation import UNSHARE, become_subreaper, kill_tree, namespaces_available
+from .worker import WARM_RANKS_ENV
 
 OUTPUT_TAIL_BYTES = 4000          # how much of the child's output a message may quote
 MAX_OUTPUT_FILE_BYTES = 64 << 20  # the child's output file may not grow past this
@@ -94,12 +98,28 @@ class Sandbox:
     cells: list[tuple[str, str]]
     objects: bytes | None = None
     limits: Limits = field(default_factory=Limits)
+    #: modules the checks' ranks import (the spec's ``rank_modules``): with a tuple, the worker
+    #: starts the ranks' fork server as it starts, preloading them; None: no ranks expected
+    rank_modules: tuple[str, ...] | None = None
     cell_errors: dict[str, str] = field(default_factory=dict)
     _proc: subprocess.Popen | None = None
     _spare: set[int] = field(default_factory=set)
+    _loading: threading.Thread | None = None
 
     # -- lifecycle
     def start(self) -> None:
+        """Start the worker and wait until it has loaded the cells."""
+        self.begin_start()
+        self.finish_start()
+
+    @property
+    def loading(self) -> bool:
+        """Started by :meth:`begin_start`, not yet finished by :meth:`finish_start`."""
+        return self._loading is not None
+
+    def begin_start(self) -> None:
+        """Start the worker and send it the cells, without waiting: it imports torch and runs
+        them while the grader gets ready (each import of torch costs seconds of one core)."""
         become_subreaper()
         self._spare = {p.pid for p in psutil.Process().children(recursive=True)}
         self._dir = Path(tempfile.mkdtemp(prefix="sandbox-"))
@@ -114,6 +134,9 @@ class Sandbox:
                    OMP_NUM_THREADS=os.environ.get("AUTOGRADER_THREADS", "1"),
                    PYTHONNOUSERSITE="1", MPLBACKEND="Agg", COURSE_OFFLINE="1",
                    PYTHONPATH=str(REPO))  # the worker runs this same grader's code
+        if self.rank_modules is not None:
+            env[WARM_RANKS_ENV] = "1"
+            env[PRELOAD_ENV] = ",".join(self.rank_modules)
         cmd = [sys.executable, "-m", "autograder.sandbox.worker", str(req_r), str(rep_w)]
         if namespaces_available():
             cmd = [*UNSHARE, *cmd]
@@ -127,21 +150,37 @@ class Sandbox:
                 preexec_fn=_child_limits)
         os.close(req_r)
         os.close(rep_w)
-        reply = self._request({"op": "load", "cells": self.cells, "objects": self.objects},
-                              self.limits.load_timeout, "loading your notebook's code")
+        self._load_deadline = time.monotonic() + self.limits.load_timeout
+        # written from a thread: the cells may not fit in the pipe before the worker reads
+        request = pickle.dumps({"op": "load", "cells": self.cells, "objects": self.objects})
+        self._loading = threading.Thread(target=_write_quietly, args=(self._req_w, request),
+                                         daemon=True)
+        self._loading.start()
+
+    def finish_start(self) -> None:
+        """Wait until the worker started by :meth:`begin_start` has loaded the cells."""
+        writer, self._loading = self._loading, None
+        if writer is None:
+            return
+        timeout = max(self._load_deadline - time.monotonic(), 0.1)
+        writer.join(timeout)
+        reply = self._request(None, timeout, "loading your notebook's code")
         self.cell_errors = dict(reply.get("cell_errors", {}))
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
     def close(self) -> None:
+        writer, self._loading = self._loading, None
         if self._proc is not None:
+            kill_tree(self._proc.pid, self._spare)
+            if writer is not None:  # its pipe's reader is gone: the write ends at once
+                writer.join(timeout=5)
             for fd in (self._req_w, self._rep_r):
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-            kill_tree(self._proc.pid, self._spare)
             try:
                 self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -162,6 +201,8 @@ class Sandbox:
         ``probe`` must be a module-level function of an importable trusted module; it is sent
         by name. Raises a :class:`SandboxError` subclass with a student-readable message.
         """
+        if self.loading:
+            self.finish_start()
         if not self.alive():
             self.close()
             self.start()
@@ -182,9 +223,11 @@ class Sandbox:
             return ""
 
     def _request(self, msg, timeout, what):
+        """Send ``msg`` (None: it was sent already) and read the reply within ``timeout``."""
         deadline = time.monotonic() + timeout
         try:
-            write_frame(self._req_w, pickle.dumps(msg))
+            if msg is not None:
+                write_frame(self._req_w, pickle.dumps(msg))
             data = read_frame(self._rep_r, deadline, self._watchdog)
             self._watchdog()  # a call that returned fast must not leave limits broken behind
         except TimeoutError:
@@ -228,6 +271,14 @@ class Sandbox:
             # RSS is cheap but counts pages that forked processes share; PSS splits them fairly
             raise LimitExceeded(f"stopped: your code used more than "
                                 f"{self.limits.max_memory_bytes / 2**30:.1f} GiB of memory")
+
+
+def _write_quietly(fd: int, data: bytes) -> None:
+    """One frame to the worker; if it died meanwhile, reading its reply says so."""
+    try:
+        write_frame(fd, data)
+    except OSError:
+        pass
 
 
 def _memory(tree, measure) -> int:

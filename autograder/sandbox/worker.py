@@ -17,6 +17,9 @@ import struct
 import sys
 import traceback
 
+#: Set by the parent for assignments whose checks start ranks (spec.rank_modules).
+WARM_RANKS_ENV = "AUTOGRADER_WARM_RANKS"
+
 
 def _frame_io(req_fd, rep_fd):
     from autograder.sandbox.framing import read_frame, write_frame
@@ -141,6 +144,11 @@ class _NoShell:
 def main(req_fd: int, rep_fd: int) -> None:
     if os.getpid() == 1:  # we are PID 1 of a fresh PID namespace made by unshare
         _isolate()
+    if os.environ.get(WARM_RANKS_ENV):
+        # the ranks' fork server imports torch while we import it and load the submission
+        from course.launch import start_fork_server
+
+        start_fork_server()
     receive, send = _frame_io(req_fd, rep_fd)
     import torch
 

@@ -32,4 +32,5 @@ SPEC = Spec(
     ),
     cores_for_speed=2,
     gpus_for_speed=0,
+    rank_modules=(),
 )

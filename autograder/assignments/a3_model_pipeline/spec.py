@@ -44,4 +44,5 @@ SPEC = Spec(
     ),
     cores_for_speed=2,
     gpus_for_speed=2,
+    rank_modules=(),
 )

@@ -44,4 +44,5 @@ SPEC = Spec(
         Check("sharded_linear_keeps_no_full_weight_between_forward_and_backward",
               "ShardedLinear", 2, timeout=150),
     ),
+    rank_modules=(),
 )

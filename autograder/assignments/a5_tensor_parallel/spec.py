@@ -38,4 +38,7 @@ SPEC = Spec(
         Check("train_2d_uses_the_tp_groups", "train_2d", 1, timeout=150),
         Check("cross_check_both_equal_the_dense_block", "cross_check", 2, timeout=120),
     ),
+    # DTensor's first operation imports torch._dynamo (seconds in every rank of every run)
+    rank_modules=("torch.distributed.tensor", "torch.distributed.tensor.parallel",
+                  "torch._dynamo"),
 )
