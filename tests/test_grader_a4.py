@@ -12,7 +12,7 @@ from __future__ import annotations
 import nbformat
 import pytest
 
-from autograder.checking.spec import functions_of
+from autograder.checking.spec import functions_of, load_spec
 from conftest import (REPO, assert_full_marks, assert_stubs_score_zero, grade, plant_bugs,
                       points_by_function)
 
@@ -108,6 +108,25 @@ def test_planted_bugs_in_the_sandboxed_functions_lose_their_points_and_no_other(
             assert got[function] < full[function], report["stdout"]
         else:  # BucketedDDP and ShardedOptimizer run with the reference's helpers
             assert got[function] == full[function], (function, report["stdout"])
+
+
+@pytest.mark.slow
+def test_a_zero_size_parameter_joining_an_oversized_bucket_loses_assign_buckets_points(
+        offline_env, tmp_path):
+    """The corner the text settles: after a parameter larger than bucket_bytes, a zero-size
+    parameter starts a new bucket (the if-and-only-if rule); joining the current bucket, the
+    reading the text once also allowed, fails the values check (fixed cases: every seed)."""
+    bug = ("if current and current_bytes + size > bucket_bytes:",
+           "if current and size and current_bytes + size > bucket_bytes:")
+    report = grade(with_bugs(tmp_path, {"assign_buckets": bug}, "zero_joins"),
+                   "--only", "assign_buckets", env=offline_env)
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    status = {r["name"]: r for r in report["results"]}
+    assert set(status) == {c.name for c in load_spec("a4_sharding").checks
+                           if c.function == "assign_buckets"}
+    failed = status["assign_buckets_reverse_order_and_size_rule"]
+    assert failed["status"] == "failed" and "assign_buckets([" in failed["message"], failed
+    assert status["assign_buckets_rejects_non_positive_bucket_bytes"]["status"] == "passed"
 
 
 @pytest.mark.slow

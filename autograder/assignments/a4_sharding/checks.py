@@ -32,9 +32,12 @@ def test_assign_buckets_reverse_order_and_size_rule(student):
     cases = [(([3, 0, 5, 2, 10], 16), {}), (([], 8), {}), (([0, 0, 0], 4), {}),
              (([2, 2, 2, 2], 16), {}), (([100, 1, 1], 8), {}), (([1, 1, 100], 8), {}),
              (([3, 3, 0, 1], 12), {}), (([7], 1), {}), (([1, 2, 3, 4, 5], 10), {"element_size": 2}),
-             (([4, 4, 4], 64), {"element_size": 8}), (([5, 5, 5], 20), {"element_size": 4})]
-    for _ in range(6):  # sizes from the run's seed: no zero after an over-full bucket
-        numels = [rng.randint(1, 60) for _ in range(rng.randint(1, 30))]
+             (([4, 4, 4], 64), {"element_size": 8}), (([5, 5, 5], 20), {"element_size": 4}),
+             # a zero-size parameter after one larger than bucket_bytes starts a new bucket
+             (([0, 100], 8), {}), (([2, 0, 9, 0, 1], 8), {}), (([0, 0, 3], 4), {"element_size": 2})]
+    for _ in range(6):  # sizes from the run's seed, zero-size parameters among them
+        numels = [0 if rng.random() < 0.2 else rng.randint(1, 60)
+                  for _ in range(rng.randint(1, 30))]
         cases.append(((numels, rng.choice([8, 40, 100, 256, 1000])),
                       {"element_size": rng.choice([1, 2, 4, 8])}))
     want = [expected.buckets(a[0], a[1], k.get("element_size", 4)) for a, k in cases]

@@ -11,7 +11,8 @@ from .ranks import make_data, seeded_model, step_rows
 
 def buckets(numels: list[int], bucket_bytes: int, element_size: int) -> list[list[int]]:
     """The contract's walk: last index first; a new bucket iff the current one is not empty and
-    its bytes plus the next parameter's exceed ``bucket_bytes``."""
+    its bytes plus the next parameter's exceed ``bucket_bytes`` (so a zero-size parameter after
+    one larger than ``bucket_bytes`` starts a new bucket, as the text says)."""
     out: list[list[int]] = []
     current, size = [], 0
     for i in range(len(numels) - 1, -1, -1):
