@@ -2,8 +2,9 @@
 
 Graded functions (see the notebook for their specifications): ``assign_buckets``,
 ``shard_bounds``, ``model_state_bytes``, ``comm_bytes_per_step`` (called here, in the sandbox,
-on cases from the run's seed and on the contracts' corner cases) and ``ShardedOptimizer``
-(started on 1, 2 and 3 processes; what each runs is in ``ranks.py``). Every expectation is
+on cases from the run's seed and on the contracts' corner cases), ``BucketedDDP``,
+``ShardedOptimizer`` and ``ShardedLinear`` (started on 1, 2 and 3 processes: the cases and the
+shared runs are in ``runs.py``, what each rank runs in ``ranks.py``). Every expectation is
 computed here, in the grader, from the released contracts (``expected.py``); the collectives
 are logged by the grader's own hooks on the process group, never reported by the student.
 Points and call timeouts: ``spec.py``.
@@ -15,9 +16,9 @@ import torch
 from autograder.checking.expect import assert_close, sequence, tensor
 
 from . import expected
-from .judging import (judge_value_errors, judge_values, runs_per_world_size, seeded_rng,
-                      zero_sizes)
-from .probes import probe_bucketed_ddp, probe_sharded_linear, probe_sharded_optimizer
+from .judging import judge_value_errors, judge_values, seeded_rng, zero_sizes
+from .runs import (ALLOWED, OPT_PER_RANK, OPT_STEPS, ddp_each, judge_ddp_grads, linear_each,
+                   linear_where, optimizer_each, optimizer_where, shard_param)
 from .spec import SPEC
 
 graded = SPEC.graded
@@ -112,46 +113,12 @@ def test_comm_bytes_per_step_rejects_invalid_arguments(student):
         ((10, 2), {"stage": -1, "element_size": 2})])
 
 
-# ---------------------------------------------------------------------------- ShardedOptimizer
-
-OPT_CASES = [("mlp", "SGD", {"lr": 0.1, "momentum": 0.9}),
-             ("mlp", "AdamW", {"lr": 0.01, "weight_decay": 0.1}),
-             ("tiny", "AdamW", {"lr": 0.05}),
-             ("tiny", "SGD", {"lr": 0.1, "momentum": 0.5})]
-OPT_STEPS, OPT_PER_RANK = 3, 3
-#: Allowed python-level collective names inside step(): the reduce-scatter and all-gather
-#: families (one may call the other); anything else (an all-reduce) is not what step() does.
-_ALLOWED = ("reduce_scatter", "all_gather", "REDUCE_SCATTER", "ALLGATHER")
-
-
-def _optimizer_runs(student) -> tuple[int, dict]:
-    return runs_per_world_size(student, "opt", probe_sharded_optimizer, "shard_bounds", OPT_CASES, OPT_STEPS,
-                 OPT_PER_RANK)
-
-
-def _each(student):
-    """(world size, rank, case index, case, reply) of every rank of every run."""
-    seed, runs = _optimizer_runs(student)
-    for world, ranks in runs.items():
-        assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
-        for rank, replies in enumerate(ranks):
-            assert isinstance(replies, list) and len(replies) == len(OPT_CASES), \
-                "the probe's reply was tampered with"
-            for i, (case, reply) in enumerate(zip(OPT_CASES, replies)):
-                yield seed, world, rank, i, case, reply
-
-
-def _where(world, rank, case) -> str:
-    kind, name, kwargs = case
-    return f"{world} rank(s), rank {rank}, {name}({kwargs}) on the {kind} model"
-
-
 @graded
 def test_sharded_optimizer_matches_one_process(student):
     firsts = {}
-    for seed, world, rank, i, case, r in _each(student):
+    for seed, world, rank, i, case, r in optimizer_each(student):
         kind, name, kwargs = case
-        where = _where(world, rank, case)
+        where = optimizer_where(world, rank, case)
         assert all(g is True for g in r["grads_none"]), \
             f"{where}: after step(), some param.grad is not None"
         want = expected.one_process(kind, seed + i, name, kwargs, OPT_STEPS, OPT_PER_RANK, world)
@@ -169,9 +136,9 @@ def test_sharded_optimizer_matches_one_process(student):
 
 @graded
 def test_sharded_optimizer_state_bytes_per_rank(student):
-    for seed, world, rank, i, case, r in _each(student):
+    for seed, world, rank, i, case, r in optimizer_each(student):
         kind, name, kwargs = case
-        where = _where(world, rank, case)
+        where = optimizer_where(world, rank, case)
         assert r["is_optimizer"] is True, \
             f"{where}: .optimizer should be a torch.optim.{name}, got {r['optimizer']}"
         numel = sum(p.numel() for p in expected.seeded_model(kind, 0).parameters())
@@ -187,11 +154,11 @@ def test_sharded_optimizer_state_bytes_per_rank(student):
 
 @graded
 def test_sharded_optimizer_one_reduce_scatter_one_all_gather_per_step(student):
-    for seed, world, rank, i, case, r in _each(student):
+    for seed, world, rank, i, case, r in optimizer_each(student):
         if world < 2:
             continue  # counts are graded on 2 or more ranks only
         kind, name, kwargs = case
-        where = _where(world, rank, case)
+        where = optimizer_where(world, rank, case)
         numel = sum(p.numel() for p in expected.seeded_model(kind, 0).parameters())
         padded = world * -(-numel // world)
         for step, (log, counted) in enumerate(zip(r["sized"], r["counted"])):
@@ -205,68 +172,23 @@ def test_sharded_optimizer_one_reduce_scatter_one_all_gather_per_step(student):
                 f"{where}, step {step + 1}: the reduce-scatter's input has {rs[1]} element(s) "
                 f"and the all-gather's output {ag[2]}; both should be the padded flat buffer "
                 f"({padded} = {world} x ceil({numel} / {world}))")
-            other = sorted(k for k, v in counted.items() if v and not any(a in k for a in _ALLOWED))
+            other = sorted(k for k, v in counted.items() if v and not any(a in k for a in ALLOWED))
             assert not other, f"{where}, step {step + 1}: step() also called {', '.join(other)}"
-
-
-# ---------------------------------------------------------------------------- BucketedDDP
-
-#: (model shape (width, depth, with an unused parameter), bucket bytes): several buckets of
-#: float64 gradients, parameter 0 in the last one; the second case leaves parameter 2 unused.
-DDP_CASES = [((6, 4, False), 400), ((5, 3, True), 256)]
-DDP_STEPS, DDP_PER_RANK, DDP_LR = 3, 2, 0.1
-
-
-def _ddp_each(student, cases):
-    """(seed, world, rank, case index, step, that step's reply, expected gradients, buckets
-    as (indices, elements))."""
-    seed, runs = runs_per_world_size(student, "ddp", probe_bucketed_ddp, "assign_buckets", DDP_CASES,
-                       DDP_STEPS, DDP_PER_RANK, DDP_LR)
-    for world, ranks in runs.items():
-        assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
-        for i in cases:
-            shape, bucket_bytes = DDP_CASES[i]
-            want, numels = expected.one_process_ddp(seed + 101 * i, shape, DDP_STEPS,
-                                                    DDP_PER_RANK, world, DDP_LR)
-            buckets = [(b, sum(numels[j] for j in b))
-                       for b in expected.buckets(numels, bucket_bytes, 8)]
-            for rank, replies in enumerate(ranks):
-                assert isinstance(replies, list) and len(replies) == len(DDP_CASES) and all(
-                    isinstance(r, list) and len(r) == DDP_STEPS for r in replies), \
-                    "the probe's reply was tampered with"
-                for step, reply in enumerate(replies[i]):
-                    yield seed, world, rank, i, step, reply, want[step], buckets
-
-
-def _judge_ddp_grads(student, cases):
-    for seed, world, rank, i, step, reply, want, _ in _ddp_each(student, cases):
-        where = f"{world} rank(s), rank {rank}, model {i + 1}, step {step + 1}"
-        grads = sequence(reply["grads"], f"{where}: the gradients", len(want))
-        for j, (d, w) in enumerate(zip(grads, want)):
-            if w is None:
-                assert d.get("kind") == "tensor", (
-                    f"{where}: parameter {j} got no gradient in this step; after "
-                    f"finish_gradient_synchronization() its .grad should be zeros, got "
-                    f"{d.get('value') if d.get('kind') == 'plain' else d.get('kind')}")
-            g = tensor(d, f"{where}: gradient {j}")["value"]
-            assert_close(g, torch.zeros_like(g) if w is None else w,
-                         f"{where}: gradient {j} after finish_gradient_synchronization() (vs the "
-                         "full-batch gradient in one process)", rtol=1e-9, atol=1e-12, seed=seed)
 
 
 @graded
 def test_bucketed_ddp_gradients_match_one_process(student):
-    _judge_ddp_grads(student, [0])
+    judge_ddp_grads(student, [0])
 
 
 @graded
 def test_bucketed_ddp_unused_parameter_counts_as_zeros(student):
-    _judge_ddp_grads(student, [1])
+    judge_ddp_grads(student, [1])
 
 
 @graded
 def test_bucketed_ddp_one_all_reduce_per_bucket_in_bucket_order(student):
-    for seed, world, rank, i, step, reply, _, buckets in _ddp_each(student, [0, 1]):
+    for seed, world, rank, i, step, reply, _, buckets in ddp_each(student, [0, 1]):
         if world < 2:
             continue  # counts are graded on 2 or more ranks only
         where = f"{world} rank(s), rank {rank}, model {i + 1}, step {step + 1}"
@@ -285,7 +207,7 @@ def test_bucketed_ddp_one_all_reduce_per_bucket_in_bucket_order(student):
 
 @graded
 def test_bucketed_ddp_first_all_reduce_before_parameter_0_gradient(student):
-    for seed, world, rank, i, step, reply, _, buckets in _ddp_each(student, [0]):
+    for seed, world, rank, i, step, reply, _, buckets in ddp_each(student, [0]):
         if world < 2:
             continue
         assert len(buckets) > 1 and 0 not in buckets[0][0]  # the case can show overlap
@@ -299,42 +221,10 @@ def test_bucketed_ddp_first_all_reduce_before_parameter_0_gradient(student):
             "computed: launch each bucket during backward, as soon as its gradients are in")
 
 
-# ---------------------------------------------------------------------------- ShardedLinear
-
-#: (in, out, bias, batch, input needs grad): sizes not divisible by 2 or 3, no bias, an input
-#: without gradient; every input and output holds fewer elements than the weight.
-LINEAR_CASES = [(7, 5, True, 3, True), (6, 4, False, 2, False), (5, 3, True, 2, True)]
-
-
-def _linear_each(student):
-    """(seed, world, rank, case, reply, what every rank must see) of every rank and case."""
-    seed, runs = runs_per_world_size(student, "linear", probe_sharded_linear, "shard_bounds", LINEAR_CASES)
-    for world, ranks in runs.items():
-        assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
-        for i, case in enumerate(LINEAR_CASES):
-            want = expected.linear_case(seed + i, case, world)
-            for rank, replies in enumerate(ranks):
-                assert isinstance(replies, list) and len(replies) == len(LINEAR_CASES), \
-                    "the probe's reply was tampered with"
-                yield seed, world, rank, case, replies[i], want
-
-
-def _shard_param(reply, where: str, key: str):
-    params = sequence(reply[key], f"{where}: the layer's parameters")
-    assert len(params) == 1, f"{where}: the layer should have one parameter (its shard), has {len(params)}"
-    return tensor(params[0], f"{where}: the shard")["value"]
-
-
-def _linear_where(world, rank, case):
-    in_f, out_f, bias, batch, needs = case
-    return (f"{world} rank(s), rank {rank}, ShardedLinear({in_f}, {out_f}, bias={bias}) on "
-            f"{batch} inputs{'' if needs else ' that need no gradient'}")
-
-
 @graded
 def test_sharded_linear_outputs_and_gradients_match_dense(student):
-    for seed, world, rank, case, r, want in _linear_each(student):
-        where = _linear_where(world, rank, case)
+    for seed, world, rank, case, r, want in linear_each(student):
+        where = linear_where(world, rank, case)
         close = dict(rtol=1e-10, atol=1e-12, seed=seed)
         assert_close(tensor(r["output"], f"{where}: the output")["value"], want["outputs"][rank],
                      f"{where}: the output (vs nn.Linear with the same full values)", **close)
@@ -350,10 +240,10 @@ def test_sharded_linear_outputs_and_gradients_match_dense(student):
 
 @graded
 def test_sharded_linear_stores_its_shard_initialised_like_nn_linear(student):
-    for seed, world, rank, case, r, want in _linear_each(student):
-        where = _linear_where(world, rank, case)
+    for seed, world, rank, case, r, want in linear_each(student):
+        where = linear_where(world, rank, case)
         start, end = want["bounds"][rank]
-        initial = _shard_param(r, where, "initial")
+        initial = shard_param(r, where, "initial")
         assert initial.numel() == end - start, (
             f"{where}: the layer stores {initial.numel()} element(s); its shard is "
             f"shard_bounds({want['numel']}, {world}, {rank}) = ({start}, {end})")
@@ -364,10 +254,10 @@ def test_sharded_linear_stores_its_shard_initialised_like_nn_linear(student):
 
 @graded
 def test_sharded_linear_two_all_gathers_one_reduce_scatter(student):
-    for seed, world, rank, case, r, want in _linear_each(student):
+    for seed, world, rank, case, r, want in linear_each(student):
         if world < 2:
             continue  # counts are graded on 2 or more ranks only
-        where = _linear_where(world, rank, case)
+        where = linear_where(world, rank, case)
         padded = world * -(-want["numel"] // world)
         ops = sorted((op, i if op == "REDUCE_SCATTER" else o) for op, i, o in r["sized"])
         expect = [("ALLGATHER", padded), ("ALLGATHER", padded), ("REDUCE_SCATTER", padded)]
@@ -378,10 +268,10 @@ def test_sharded_linear_two_all_gathers_one_reduce_scatter(student):
 
 @graded
 def test_sharded_linear_keeps_no_full_weight_between_forward_and_backward(student):
-    for seed, world, rank, case, r, want in _linear_each(student):
+    for seed, world, rank, case, r, want in linear_each(student):
         if world < 2:
             continue  # one rank's shard is the whole layer
-        where = _linear_where(world, rank, case)
+        where = linear_where(world, rank, case)
         limit = want["weight_numel"]
         saved = [n for n in r["saved"] if n >= limit]
         assert not saved, (f"{where}: forward saved for backward a tensor of {max(saved)} "

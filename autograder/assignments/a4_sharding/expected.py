@@ -72,7 +72,7 @@ def one_process_ddp(seed: int, shape, steps: int, per_rank: int, world_size: int
                     ) -> tuple[list[list[torch.Tensor | None]], list[int]]:
     """(each step's gradients of the managed parameters in one process on the full batch, with
     rank 0's model and the same SGD between steps; the managed parameters' sizes)."""
-    from .ranks import ddp_model, ddp_seed
+    from .ddp_ranks import ddp_model, ddp_seed
 
     width, depth, unused = shape
     model = ddp_model(ddp_seed(seed, 0), width, depth, unused)

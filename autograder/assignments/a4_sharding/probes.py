@@ -1,13 +1,13 @@
 """Assignment 4's probes: they run in the sandbox beside the student's code, call the student's
-functions here or start them on N fresh processes (what each process runs is in :mod:`.ranks`),
-and describe what came back (no judging here).
+functions here or start them on N fresh processes (what each process runs is in :mod:`.ranks`
+and :mod:`.ddp_ranks`), and describe what came back (no judging here).
 """
 from __future__ import annotations
 
 from autograder.checking.probes import describe, reference_helpers, student_function
 
-from .ranks import (rank_bucketed_ddp_cases, rank_sharded_linear, rank_sharded_optimizer,
-                    run_ranks_keeping_results)
+from .ddp_ranks import rank_bucketed_ddp_cases
+from .ranks import rank_sharded_linear, rank_sharded_optimizer, run_ranks_keeping_results
 from .spec import SPEC
 
 
