@@ -20,7 +20,8 @@ SOURCE = REPO / "solutions" / "a4_sharding" / "sharding.ipynb"
 RELEASE = REPO / "assignments" / "a4_sharding" / "sharding.ipynb"
 
 # function -> (text in the reference answer cell, replacement that breaks it); each fails its
-# function's value check (its ValueError check still passes: that part is not broken)
+# function's value check (its ValueError check still passes: that part is not broken), and the
+# byte counts' bugs their comparison with the classes' runs as well
 LEAF_BUGS = {
     # buckets filled in forward order: the first bucket waits for the last gradient
     "assign_buckets": ("for index in reversed(range(len(param_numels))):",
@@ -28,9 +29,9 @@ LEAF_BUGS = {
     # floor instead of ceil: the last elements belong to nobody
     "shard_bounds": ("chunk = (numel + world_size - 1) // world_size",
                      "chunk = numel // world_size"),
-    # stage 2 keeps the full gradients
-    "model_state_bytes": ("grad_bytes * (shard if stage >= 2 else num_params)",
-                          "grad_bytes * (shard if stage >= 3 else num_params)"),
+    # stage 1 does not shard the optimizer state (only stage 2 does)
+    "model_state_bytes": ("state_bytes * (shard if stage >= 1 else num_params)",
+                          "state_bytes * (shard if stage >= 2 else num_params)"),
     # stage 2 counted as if it all-gathered parameters in backward as well
     "comm_bytes_per_step": ("k = 3 if stage == 3 else 2", "k = 3 if stage >= 2 else 2"),
 }
@@ -108,6 +109,9 @@ def test_planted_bugs_in_the_sandboxed_functions_lose_their_points_and_no_other(
             assert got[function] < full[function], report["stdout"]
         else:  # BucketedDDP and ShardedOptimizer run with the reference's helpers
             assert got[function] == full[function], (function, report["stdout"])
+    for check in ("model_state_bytes_matches_the_optimizer_state_of_real_runs",
+                  "comm_bytes_per_step_matches_the_traffic_of_real_runs"):
+        assert status[check]["status"] == "failed" and status[check]["message"], status[check]
 
 
 @pytest.mark.slow
@@ -129,20 +133,28 @@ def test_a_zero_size_parameter_joining_an_oversized_bucket_loses_assign_buckets_
     assert status["assign_buckets_rejects_non_positive_bucket_bytes"]["status"] == "passed"
 
 
+#: Graded beside the classes' bugs: compared with the classes' runs, they lose nothing to them
+#: (a run that breaks the contract is not compared with).
+BYTE_COUNTS = ("model_state_bytes", "comm_bytes_per_step")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("run", sorted(CLASS_BUG_RUNS))
 def test_bugs_in_the_classes_fail_their_checks(run, offline_env, tmp_path):
     bugs = CLASS_BUG_RUNS[run]
     report = grade(with_bugs(tmp_path, {f: bug for f, bug, _ in bugs}, run),
-                   "--only", ",".join(f for f, _, _ in bugs), env=offline_env)
+                   "--only", ",".join([f for f, _, _ in bugs] + list(BYTE_COUNTS)),
+                   "--speed", "skip", env=offline_env)
     assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    assert {r["function"] for r in report["results"]} == {f for f, _, _ in bugs}
+    assert {r["function"] for r in report["results"]} == {f for f, _, _ in bugs} | set(BYTE_COUNTS)
     status = {r["name"]: r["status"] for r in report["results"]}
     full, got = functions_of("a4_sharding"), points_by_function(report)
     for function, _, check in bugs:
         assert status[check] == "failed", report["stdout"]
         assert got[function] < full[function], report["stdout"]
-    assert all(r["message"] for r in report["results"] if r["status"] == "failed")
+    assert all(r["message"] for r in report["results"] if r["status"] in ("failed", "skipped"))
+    bystanders = [r for r in report["results"] if r["function"] in BYTE_COUNTS]
+    assert all(r["status"] in ("passed", "skipped") for r in bystanders), report["stdout"]
 
 
 def test_handed_over_results_survive_a_rank_that_aborts_at_exit():

@@ -16,10 +16,11 @@ import torch
 from autograder.checking.expect import assert_close, sequence, tensor
 
 from . import expected
-from .judging import judge_value_errors, judge_values, seeded_rng, zero_sizes
+from .judging import judge_value_errors, judge_values, returned_values, seeded_rng, zero_sizes
 from .runs import (ALLOWED, OPT_PER_RANK, OPT_STEPS, ddp_each, judge_ddp_grads, linear_each,
                    linear_where, optimizer_each, optimizer_where, shard_param)
 from .spec import SPEC
+from .traffic import FP32_ELEMENT, RUN_ELEMENT, state_saved_by_sharding, traffic_of_runs
 
 graded = SPEC.graded
 ASSIGNMENT = SPEC.assignment
@@ -280,3 +281,29 @@ def test_sharded_linear_keeps_no_full_weight_between_forward_and_backward(studen
         assert r["alive"] < limit, (
             f"{where}: after forward a tensor of {r['alive']} elements (as large as the full "
             f"weight, {limit}) is still alive: free the gathered vector after use")
+
+
+# ---------------------------------------------------------------------------- the byte counts
+# against the runs above (after them in this file: they reuse those runs)
+
+@graded
+def test_model_state_bytes_matches_the_optimizer_state_of_real_runs(student):
+    seed, saved = state_saved_by_sharding(student)
+    cases = [((p, n), {"stage": s, "mixed_precision": False}) for p, n in saved for s in (0, 1)]
+    values = iter(returned_values(student, "model_state_bytes", cases))
+    for (p, n), (one, each) in saved.items():
+        (call0, _, stage0), (call1, _, stage1) = next(values), next(values)
+        want = (one - each) * FP32_ELEMENT // RUN_ELEMENT
+        assert stage0 - stage1 == want, (
+            f"{call0} - {call1} = {stage0 - stage1!r}: what ZeRO stage 1 saves per rank in your "
+            f"accounting (fp32 Adam state); your ShardedOptimizer's AdamW state was {one} bytes on "
+            f"1 rank and {each} on each of {n} ranks: it saved {one - each} bytes of float64 "
+            f"moments, {want} in fp32 (cases from seed {seed})")
+
+
+@graded
+def test_comm_bytes_per_step_matches_the_traffic_of_real_runs(student):
+    seed, sent, where = traffic_of_runs(student)
+    cases = [((p, n), {"stage": s, "element_size": RUN_ELEMENT}) for p, n, s in sent]
+    judge_values(student, "comm_bytes_per_step", cases, list(sent.values()), seed,
+                 why=list(where.values()))

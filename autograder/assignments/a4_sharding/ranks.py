@@ -84,12 +84,13 @@ def collectives_sized(log: list | None = None):
 # ---------------------------------------------------------------------------- models and data
 
 #: (input features, output features) of each model a ShardedOptimizer check trains.
-SHAPES = {"mlp": (5, 2), "tiny": (1, 2)}
+SHAPES = {"mlp": (5, 2), "tiny": (1, 2), "even": (3, 3)}
 
 
 def seeded_model(kind: str, seed: int) -> nn.Module:
     """The float64 model of a case, the same on every rank and in the grader. ``mlp`` has 34
-    elements (not divisible by 3 or 4), ``tiny`` 4 (3 ranks leave rank 2 an empty shard); tanh,
+    elements (not divisible by 3 or 4), ``tiny`` 4 (3 ranks leave rank 2 an empty shard),
+    ``even`` 12 (divisible by 1, 2 and 3: no padding, for the byte counts' cross-checks); tanh,
     not ReLU, so no gradient element is zero in one summation order and not in another."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -97,6 +98,8 @@ def seeded_model(kind: str, seed: int) -> nn.Module:
             return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2)).double()
         if kind == "tiny":
             return nn.Linear(1, 2).double()
+        if kind == "even":
+            return nn.Linear(3, 3).double()
         raise ValueError(kind)
 
 

@@ -14,10 +14,13 @@ from .probes import probe_bucketed_ddp, probe_sharded_linear, probe_sharded_opti
 
 # ---------------------------------------------------------------------------- ShardedOptimizer
 
+#: (model kind, optimizer, its arguments); the last one has 12 elements: no padding on 2 or 3
+#: ranks, where the byte counts are compared with the run (:mod:`.traffic`).
 OPT_CASES = [("mlp", "SGD", {"lr": 0.1, "momentum": 0.9}),
              ("mlp", "AdamW", {"lr": 0.01, "weight_decay": 0.1}),
              ("tiny", "AdamW", {"lr": 0.05}),
-             ("tiny", "SGD", {"lr": 0.1, "momentum": 0.5})]
+             ("tiny", "SGD", {"lr": 0.1, "momentum": 0.5}),
+             ("even", "AdamW", {"lr": 0.02, "weight_decay": 0.05})]
 OPT_STEPS, OPT_PER_RANK = 3, 3
 #: Allowed python-level collective names inside step(): the reduce-scatter and all-gather
 #: families (one may call the other); anything else (an all-reduce) is not what step() does.
@@ -25,8 +28,9 @@ ALLOWED = ("reduce_scatter", "all_gather", "REDUCE_SCATTER", "ALLGATHER")
 
 
 def optimizer_runs(student) -> tuple[int, dict]:
-    return runs_per_world_size(student, "opt", probe_sharded_optimizer, "shard_bounds",
-                               OPT_CASES, OPT_STEPS, OPT_PER_RANK)
+    return runs_per_world_size(student, "opt", "sharded_optimizer_matches_one_process",
+                               probe_sharded_optimizer, "shard_bounds", OPT_CASES, OPT_STEPS,
+                               OPT_PER_RANK)
 
 
 def optimizer_each(student):
@@ -57,8 +61,9 @@ DDP_STEPS, DDP_PER_RANK, DDP_LR = 3, 2, 0.1
 def ddp_each(student, cases):
     """(seed, world, rank, case index, step, that step's reply, expected gradients, buckets
     as (indices, elements))."""
-    seed, runs = runs_per_world_size(student, "ddp", probe_bucketed_ddp, "assign_buckets",
-                                     DDP_CASES, DDP_STEPS, DDP_PER_RANK, DDP_LR)
+    seed, runs = runs_per_world_size(student, "ddp", "bucketed_ddp_gradients_match_one_process",
+                                     probe_bucketed_ddp, "assign_buckets", DDP_CASES, DDP_STEPS,
+                                     DDP_PER_RANK, DDP_LR)
     for world, ranks in runs.items():
         assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
         for i in cases:
@@ -94,15 +99,18 @@ def judge_ddp_grads(student, cases):
 
 # ---------------------------------------------------------------------------- ShardedLinear
 
-#: (in, out, bias, batch, input needs grad): sizes not divisible by 2 or 3, no bias, an input
-#: without gradient; every input and output holds fewer elements than the weight.
+#: (in, out, bias, batch, input needs grad): features not divisible by 2 or 3, no bias, an
+#: input without gradient; every input and output holds fewer elements than the weight. The
+#: layers' elements (40, 24, 18): 24 and 18 are divisible by 2 and 3 (no padding: the byte
+#: counts are compared with these runs, :mod:`.traffic`), 40 by 2 only.
 LINEAR_CASES = [(7, 5, True, 3, True), (6, 4, False, 2, False), (5, 3, True, 2, True)]
 
 
 def linear_each(student):
     """(seed, world, rank, case, reply, what every rank must see) of every rank and case."""
-    seed, runs = runs_per_world_size(student, "linear", probe_sharded_linear, "shard_bounds",
-                                     LINEAR_CASES)
+    seed, runs = runs_per_world_size(student, "linear",
+                                     "sharded_linear_outputs_and_gradients_match_dense",
+                                     probe_sharded_linear, "shard_bounds", LINEAR_CASES)
     for world, ranks in runs.items():
         assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
         for i, case in enumerate(LINEAR_CASES):

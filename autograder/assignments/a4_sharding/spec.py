@@ -43,5 +43,10 @@ SPEC = Spec(
               timeout=150),
         Check("sharded_linear_keeps_no_full_weight_between_forward_and_backward",
               "ShardedLinear", 2, timeout=150),
+        # the byte counts against the classes' runs (after the classes: they reuse those runs)
+        Check("model_state_bytes_matches_the_optimizer_state_of_real_runs", "model_state_bytes",
+              1, timeout=150),
+        Check("comm_bytes_per_step_matches_the_traffic_of_real_runs", "comm_bytes_per_step", 1,
+              timeout=150),
     ),
 )
