@@ -2,10 +2,11 @@
 loses points of the function it breaks and of no other.
 
 Grading runs start processes (every rank imports torch), so the bugs in the four functions
-that run in the sandbox itself are planted together in one run; ``BucketedDDP`` and
-``ShardedOptimizer`` keep their full points there although ``assign_buckets`` and
-``shard_bounds`` are broken, because the grader runs them with the reference's versions. The
-classes' own bugs are graded with ``--only``, one bug per class in each of two runs.
+that run in the sandbox itself, and one in ``apply_fsdp``, are planted together in one run;
+``BucketedDDP`` and ``ShardedOptimizer`` keep their full points there although
+``assign_buckets`` and ``shard_bounds`` are broken, because the grader runs them with the
+reference's versions. The classes' own bugs (and two more in ``apply_fsdp``) are graded with
+``--only``, one bug per function in each of two runs.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ LEAF_BUGS = {
                           "state_bytes * (shard if stage >= 2 else num_params)"),
     # stage 2 counted as if it all-gathered parameters in backward as well
     "comm_bytes_per_step": ("k = 3 if stage == 3 else 2", "k = 3 if stage >= 2 else 2"),
+    # fully_shard on the root only: one FSDP unit, the blocks are not their own
+    "apply_fsdp": ("    for block in blocks:\n        fully_shard(block, mesh=mesh)\n", ""),
 }
 # The classes' bugs, two runs with one bug in each class: (function, bug, the checks it fails)
 CLASS_BUG_RUNS = {
@@ -49,7 +52,11 @@ CLASS_BUG_RUNS = {
         # the gathered vector kept on the layer: alive between forward and backward
         ("ShardedLinear", ("        dist.all_gather_single(full, send)\n",
                            "        dist.all_gather_single(full, send)\n        self._kept = full\n"),
-         "sharded_linear_keeps_no_full_weight_between_forward_and_backward")],
+         "sharded_linear_keeps_no_full_weight_between_forward_and_backward"),
+        # the blocks sharded, the root forgotten
+        ("apply_fsdp", ("    fully_shard(model, mesh=mesh)\n    return model\n",
+                        "    return model\n"),
+         "apply_fsdp_each_block_and_the_root_its_own_unit")],
     "all_reduce_and_no_mean": [
         ("ShardedOptimizer", ("        dist.reduce_scatter_single(shard_grad, flat_grad)\n",
                               "        dist.all_reduce(flat_grad)\n"
@@ -67,7 +74,10 @@ CLASS_BUG_RUNS = {
                            "        return F.linear(x, weight, bias)\n"
                            "\n    @staticmethod\n    def backward(ctx, grad_out):\n"
                            "        x, weight = ctx.saved_tensors\n        layer = ctx.layer\n"),
-         "sharded_linear_keeps_no_full_weight_between_forward_and_backward")],
+         "sharded_linear_keeps_no_full_weight_between_forward_and_backward"),
+        # the first block skipped: its parameters go to the root's unit
+        ("apply_fsdp", ("    for block in blocks:\n", "    for block in list(blocks)[1:]:\n"),
+         "apply_fsdp_each_block_and_the_root_its_own_unit")],
 }
 
 
@@ -100,7 +110,8 @@ def test_planted_bugs_in_the_sandboxed_functions_lose_their_points_and_no_other(
     values_check = {"assign_buckets": "assign_buckets_reverse_order_and_size_rule",
                     "shard_bounds": "shard_bounds_ceil_chunks_and_empty_shards",
                     "model_state_bytes": "model_state_bytes_every_stage_and_precision",
-                    "comm_bytes_per_step": "comm_bytes_per_step_every_stage"}
+                    "comm_bytes_per_step": "comm_bytes_per_step_every_stage",
+                    "apply_fsdp": "apply_fsdp_each_block_and_the_root_its_own_unit"}
     status = {r["name"]: r for r in report["results"]}
     for function in full:
         if function in LEAF_BUGS:

@@ -4,7 +4,9 @@ Graded functions (see the notebook for their specifications): ``assign_buckets``
 ``shard_bounds``, ``model_state_bytes``, ``comm_bytes_per_step`` (called here, in the sandbox,
 on cases from the run's seed and on the contracts' corner cases), ``BucketedDDP``,
 ``ShardedOptimizer`` and ``ShardedLinear`` (started on 1, 2 and 3 processes: the cases and the
-shared runs are in ``runs.py``, what each rank runs in ``ranks.py``). Every expectation is
+shared runs are in ``runs.py``, what each rank runs in ``ranks.py`` and ``ddp_ranks.py``), the
+byte counts again against those runs (``traffic.py``), and ``apply_fsdp`` (FSDP2 on 1 and 2
+processes, one run for all its checks). Every expectation is
 computed here, in the grader, from the released contracts (``expected.py``); the collectives
 are logged by the grader's own hooks on the process group, never reported by the student.
 Points and call timeouts: ``spec.py``.
@@ -17,8 +19,9 @@ from autograder.checking.expect import assert_close, sequence, tensor
 
 from . import expected
 from .judging import judge_value_errors, judge_values, returned_values, seeded_rng, zero_sizes
-from .runs import (ALLOWED, OPT_PER_RANK, OPT_STEPS, ddp_each, judge_ddp_grads, linear_each,
-                   linear_where, optimizer_each, optimizer_where, shard_param)
+from .runs import (ALLOWED, FSDP_OPTIMIZER, FSDP_PER_RANK, FSDP_STEPS, OPT_PER_RANK, OPT_STEPS,
+                   ddp_each, fsdp_each, fsdp_where, judge_ddp_grads, linear_each, linear_where,
+                   optimizer_each, optimizer_where, shard_param)
 from .spec import SPEC
 from .traffic import FP32_ELEMENT, RUN_ELEMENT, state_saved_by_sharding, traffic_of_runs
 
@@ -307,3 +310,62 @@ def test_comm_bytes_per_step_matches_the_traffic_of_real_runs(student):
     cases = [((p, n), {"stage": s, "element_size": RUN_ELEMENT}) for p, n, s in sent]
     judge_values(student, "comm_bytes_per_step", cases, list(sent.values()), seed,
                  why=list(where.values()))
+
+
+# ---------------------------------------------------------------------------- apply_fsdp
+
+@graded
+def test_apply_fsdp_each_block_and_the_root_its_own_unit(student):
+    for seed, world, rank, i, kind, r in fsdp_each(student):
+        where = fsdp_where(world, rank, kind)
+        assert r["returned_model"] is True, f"{where}: it should return the model it was given"
+        skipped = [j for j, unit in enumerate(r["block_units"]) if unit is not True]
+        assert not skipped, (f"{where}: block(s) {skipped} of {len(r['block_units'])} are not FSDP "
+                             "modules: apply fully_shard to each block")
+        assert r["root_unit"] is True, \
+            f"{where}: the model itself is not an FSDP module: apply fully_shard to the root too"
+        if world < 2:
+            continue  # one rank gathers nothing
+        want = sorted(("ALLGATHER", n) for n in expected.fsdp_all_gathers(kind, world))
+        for step, log in enumerate(r["forwards"]):
+            assert sorted(map(tuple, log)) == want, (
+                f"{where}, forward {step + 1}: {sorted(map(tuple, log)) or 'no collective'} on "
+                f"the mesh's process group (op, elements this rank sent); one all-gather per "
+                f"FSDP unit that holds parameters, of its shards, was expected: {want} (the "
+                "root's own parameters, and each block's)")
+
+
+@graded
+def test_apply_fsdp_parameters_are_dtensors_sharded_on_dim_0(student):
+    for seed, world, rank, i, kind, r in fsdp_each(student):
+        where = fsdp_where(world, rank, kind)
+        want = expected.fsdp_local_shapes(kind, world, rank)
+        assert len(r["params"]) == len(want), f"{where}: the model has {len(r['params'])} parameters"
+        for (name, shape), p in zip(want, r["params"]):
+            assert p["dtensor"] is True, f"{where}: parameter {name} is not a DTensor"
+            assert p["on_mesh"] is True, f"{where}: parameter {name} is not on the mesh passed in"
+            assert [tuple(x) for x in p["placements"]] == [("Shard", 0)], (
+                f"{where}: parameter {name} has placements "
+                f"{[f'{kind}({dim})' for kind, dim in p['placements']]}, not [Shard(0)]")
+            assert p["local_shape"] == shape, (
+                f"{where}: parameter {name}'s local shard has shape {p['local_shape']}, expected "
+                f"{shape} (rank {rank}'s rows of dim 0)")
+
+
+@graded
+def test_apply_fsdp_training_matches_one_process(student):
+    name, kwargs = FSDP_OPTIMIZER
+    wants = {}
+    for seed, world, rank, i, kind, r in fsdp_each(student):
+        where = fsdp_where(world, rank, kind)
+        if (world, i) not in wants:  # the same for every rank
+            wants[world, i] = expected.one_process(kind, seed + i, name, kwargs, FSDP_STEPS,
+                                                   FSDP_PER_RANK, world)
+        want = wants[world, i]
+        full = sequence(r["full"], f"{where}: the parameters", len(want))
+        for j, (d, w) in enumerate(zip(full, want)):
+            # float64 sums in another order stray by ~1e-16 relative: 1e-9 catches any real
+            # difference (a gradient not averaged: ~1e-1)
+            assert_close(tensor(d, f"{where}: parameter {j}")["value"], w,
+                         f"{where}: parameter {j} after {FSDP_STEPS} steps of {name}({kwargs}) "
+                         "(vs one process on the full batches)", rtol=1e-9, atol=1e-12, seed=seed)

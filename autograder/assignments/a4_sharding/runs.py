@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from autograder.checking.expect import assert_close, sequence, tensor
+from autograder.checking.expect import assert_close, fresh_generator, sequence, tensor
+from autograder.checking.timeouts import call_timeout
 
 from . import expected
 from .judging import runs_per_world_size
-from .probes import probe_bucketed_ddp, probe_sharded_linear, probe_sharded_optimizer
+from .probes import (probe_apply_fsdp, probe_bucketed_ddp, probe_sharded_linear,
+                     probe_sharded_optimizer)
+from .spec import SPEC
 
 
 # ---------------------------------------------------------------------------- ShardedOptimizer
@@ -131,3 +134,39 @@ def linear_where(world, rank, case):
     in_f, out_f, bias, batch, needs = case
     return (f"{world} rank(s), rank {rank}, ShardedLinear({in_f}, {out_f}, bias={bias}) on "
             f"{batch} inputs{'' if needs else ' that need no gradient'}")
+
+
+# ---------------------------------------------------------------------------- apply_fsdp
+
+#: The two shapes of model (:func:`~.ranks.seeded_model`), the world sizes (one multi-process
+#: run: FSDP's first use costs seconds per process), and the training every rank does.
+FSDP_KINDS, FSDP_WORLDS = ("blocks", "sequential"), (1, 2)
+FSDP_STEPS, FSDP_PER_RANK, FSDP_OPTIMIZER = 2, 2, ("SGD", {"lr": 0.1, "momentum": 0.9})
+
+
+def fsdp_each(student):
+    """(seed, world, rank, kind index, kind, reply) of every rank and model of the one
+    apply_fsdp run that all its checks share."""
+    def run():
+        _, seed = fresh_generator()
+        limit = call_timeout(SPEC.check("apply_fsdp_each_block_and_the_root_its_own_unit"),
+                             student.calibration)
+        return seed, student.call(probe_apply_fsdp, FSDP_WORLDS, seed, FSDP_KINDS, FSDP_STEPS,
+                                  FSDP_PER_RANK, FSDP_OPTIMIZER, timeout=limit)
+    seed, runs = student.shared("fsdp", run)
+    assert isinstance(runs, dict) and sorted(runs) == sorted(FSDP_WORLDS), \
+        "the probe's reply was tampered with"
+    for world in FSDP_WORLDS:
+        assert isinstance(runs[world], list) and len(runs[world]) == world, \
+            "the probe's reply was tampered with"
+        for rank, replies in enumerate(runs[world]):
+            assert isinstance(replies, list) and len(replies) == len(FSDP_KINDS), \
+                "the probe's reply was tampered with"
+            for i, (kind, reply) in enumerate(zip(FSDP_KINDS, replies)):
+                yield seed, world, rank, i, kind, reply
+
+
+def fsdp_where(world, rank, kind) -> str:
+    model = ("a model with .blocks (an nn.ModuleList) and other submodules" if kind == "blocks"
+             else "an nn.Sequential")
+    return f"{world} rank(s), rank {rank}, apply_fsdp on {model}"

@@ -15,6 +15,7 @@ SPEC = Spec(
         Function("comm_bytes_per_step", ("num_params", "world_size")),
         Function("ShardedOptimizer", ("params", "optimizer_cls"), helpers=("shard_bounds",)),
         Function("ShardedLinear", ("in_features", "out_features"), helpers=("shard_bounds",)),
+        Function("apply_fsdp", ("model", "mesh")),
     ),
     checks=(
         Check("assign_buckets_reverse_order_and_size_rule", "assign_buckets", 2),
@@ -48,5 +49,9 @@ SPEC = Spec(
               1, timeout=150),
         Check("comm_bytes_per_step_matches_the_traffic_of_real_runs", "comm_bytes_per_step", 1,
               timeout=150),
+        Check("apply_fsdp_each_block_and_the_root_its_own_unit", "apply_fsdp", 2, timeout=150),
+        Check("apply_fsdp_parameters_are_dtensors_sharded_on_dim_0", "apply_fsdp", 1,
+              timeout=150),
+        Check("apply_fsdp_training_matches_one_process", "apply_fsdp", 2, timeout=150),
     ),
 )
