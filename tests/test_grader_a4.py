@@ -10,6 +10,9 @@ reference's versions. The classes' own bugs (and two more in ``apply_fsdp``) are
 """
 from __future__ import annotations
 
+import resource
+import time
+
 import nbformat
 import pytest
 
@@ -89,9 +92,18 @@ def with_bugs(tmp_path, bugs: dict, name: str = "submission"):
 
 @pytest.mark.slow
 def test_reference_solution_scores_full_marks(offline_env):
+    """Every check, the speed check included (it passes against itself, or SKIPs where the
+    machine cannot show the reference's speedup); the cost of the whole grading is bounded."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.monotonic()
     report = grade(SOURCE, env=offline_env)
+    seconds = time.monotonic() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert_full_marks(report)
     print(report["stdout"])
+    print(f"graded in {seconds:.1f} s, {cpu:.1f} CPU seconds")
+    assert seconds < 300, f"grading took {seconds:.1f} s"
 
 
 @pytest.mark.slow
@@ -103,10 +115,12 @@ def test_released_stubs_score_zero_with_readable_messages(offline_env):
 @pytest.mark.slow
 def test_planted_bugs_in_the_sandboxed_functions_lose_their_points_and_no_other(offline_env,
                                                                                tmp_path):
-    report = grade(with_bugs(tmp_path, LEAF_BUGS), env=offline_env)
+    report = grade(with_bugs(tmp_path, LEAF_BUGS), "--speed", "skip", env=offline_env)
     assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    full, got = functions_of("a4_sharding"), points_by_function(report)
-    assert got.keys() == full.keys()
+    got = points_by_function(report)
+    assert got.keys() == functions_of("a4_sharding").keys()
+    full = {f: sum(r["max_points"] for r in report["results"]  # the speed check is not run
+                   if r["function"] == f and r["status"] != "skipped") for f in got}
     values_check = {"assign_buckets": "assign_buckets_reverse_order_and_size_rule",
                     "shard_bounds": "shard_bounds_ceil_chunks_and_empty_shards",
                     "model_state_bytes": "model_state_bytes_every_stage_and_precision",
@@ -166,6 +180,36 @@ def test_bugs_in_the_classes_fail_their_checks(run, offline_env, tmp_path):
     assert all(r["message"] for r in report["results"] if r["status"] in ("failed", "skipped"))
     bystanders = [r for r in report["results"] if r["function"] in BYTE_COUNTS]
     assert all(r["status"] in ("passed", "skipped") for r in bystanders), report["stdout"]
+
+
+# Correct but slow: each bucket's gradients copied into the flat vector one element at a time
+# (thousands of tiny operations, each paying torch's dispatch latency), nothing else changed.
+SLOW_BUCKETS = ("        self.launched.append((flat, dist.all_reduce(flat, async_op=True)))\n",
+                "        flat = torch.stack([x.clone() for x in flat])  # one element at a time\n"
+                "        self.launched.append((flat, dist.all_reduce(flat, async_op=True)))\n")
+
+
+@pytest.mark.slow
+def test_correct_but_slow_buckets_lose_only_the_speed_check(offline_env, tmp_path):
+    """Every correctness check of BucketedDDP passes; the speed check fails (where this machine
+    can show the reference's speedup over one all-reduce per parameter, else it SKIPs with that
+    reason), so the slow code loses exactly the speed check's points or none."""
+    report = grade(with_bugs(tmp_path, {"BucketedDDP": SLOW_BUCKETS}, "slow_buckets"),
+                   "--only", "BucketedDDP", env=offline_env)
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    speed = {c.name for c in load_spec("a4_sharding").checks if c.speed}
+    status = {r["name"]: r for r in report["results"]}
+    assert speed and speed < set(status), report["stdout"]
+    for name, r in status.items():
+        if name not in speed:
+            assert r["status"] == "passed", report["stdout"]
+            continue
+        assert r["status"] in ("failed", "skipped") and r["message"], r
+        if r["status"] == "failed":
+            assert "reference solution reached" in r["message"], r
+        else:
+            assert "even the reference solution reached only" in r["message"], r
+    print(report["stdout"])
 
 
 def test_handed_over_results_survive_a_rank_that_aborts_at_exit():

@@ -4,7 +4,8 @@ Graded functions (see the notebook for their specifications): ``assign_buckets``
 ``shard_bounds``, ``model_state_bytes``, ``comm_bytes_per_step`` (called here, in the sandbox,
 on cases from the run's seed and on the contracts' corner cases), ``BucketedDDP``,
 ``ShardedOptimizer`` and ``ShardedLinear`` (started on 1, 2 and 3 processes: the cases and the
-shared runs are in ``runs.py``, what each rank runs in ``ranks.py`` and ``ddp_ranks.py``), the
+shared runs are in ``runs.py``, what each rank runs in ``ranks.py`` and ``ddp_ranks.py``;
+BucketedDDP's step time against the reference's: ``timing.py``), the
 byte counts again against those runs (``traffic.py``), and ``apply_fsdp`` (FSDP2 on 1 and 2
 processes, one run for all its checks). Every expectation is
 computed here, in the grader, from the released contracts (``expected.py``); the collectives
@@ -23,6 +24,7 @@ from .runs import (ALLOWED, FSDP_OPTIMIZER, FSDP_PER_RANK, FSDP_STEPS, OPT_PER_R
                    ddp_each, fsdp_each, fsdp_where, judge_ddp_grads, linear_each, linear_where,
                    optimizer_each, optimizer_where, shard_param)
 from .spec import SPEC
+from .timing import judge_step_time
 from .traffic import FP32_ELEMENT, RUN_ELEMENT, state_saved_by_sharding, traffic_of_runs
 
 graded = SPEC.graded
@@ -223,6 +225,12 @@ def test_bucketed_ddp_first_all_reduce_before_parameter_0_gradient(student):
         assert first < kinds.index("grad of parameter 0"), (
             f"{where}: the first all-reduce was issued after the gradient of parameter 0 was "
             "computed: launch each bucket during backward, as soon as its gradients are in")
+
+
+@graded
+def test_bucketed_ddp_step_time_against_the_reference(student):
+    judge_ddp_grads(student, [0])  # a speed counts only for correct code
+    judge_step_time(student)
 
 
 @graded

@@ -1,12 +1,15 @@
 """What each process of Assignment 4's BucketedDDP checks runs: its model (many small
 parameters, several buckets), the student's wrapper with the grader's SGD around it, and the
-collectives and the moment parameter 0's gradient is computed, logged in order.
+collectives and the moment parameter 0's gradient is computed, logged in order; and, for the
+speed check, ranks that stay up (:func:`ddp_server`) with the student's wrapper (or the
+reference's) and a trusted baseline on the same model.
 
 Trusted harness code like :mod:`.ranks` (which it uses): imports nothing heavier than torch.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -88,3 +91,34 @@ def rank_bucketed_ddp_cases(rank, world_size, cls, seed, cases, steps, per_rank,
                               bucket_bytes, lr)
             for i, (shape, bucket_bytes) in enumerate(cases)]
 
+
+def ddp_server(rank, world_size, cls, seed, shape, per_rank, bucket_bytes):
+    """The ``setup`` of a :class:`~autograder.checking.ranks.RankServer`: commands ``step``
+    (one step's gradients with ``cls``: zero_grad, forward and backward on this rank's share of
+    a fixed batch, ``finish_gradient_synchronization()``) and ``per_parameter`` (the same
+    gradients with one blocking all-reduce per parameter after backward, on a model of its own:
+    the trusted baseline); ``result``: the managed parameters' gradients after the last
+    ``step``."""
+    width, depth, unused = shape
+    X, y = (torch.randn(per_rank * world_size, width, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(seed + i)) for i in (1, 2))
+    rows = step_rows(0, per_rank, world_size, rank)
+    model = ddp_model(ddp_seed(seed, rank), width, depth, unused)
+    ddp = cls(model, bucket_bytes)
+    baseline = ddp_model(ddp_seed(seed, 0), width, depth, unused)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(ddp(X[rows]), y[rows]).backward()
+        ddp.finish_gradient_synchronization()
+
+    def per_parameter():
+        baseline.zero_grad(set_to_none=True)
+        F.mse_loss(baseline(X[rows]), y[rows]).backward()
+        for p in baseline.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+
+    return {"step": step, "per_parameter": per_parameter,
+            "result": lambda: {"grads": describe([p.grad for p in model.parameters()
+                                                  if p.requires_grad])}}
