@@ -6,7 +6,9 @@ that run in the sandbox itself, and one in ``apply_fsdp``, are planted together 
 ``BucketedDDP`` and ``ShardedOptimizer`` keep their full points there although
 ``assign_buckets`` and ``shard_bounds`` are broken, because the grader runs them with the
 reference's versions. The classes' own bugs (and two more in ``apply_fsdp``) are graded with
-``--only``, one bug per function in each of two runs.
+``--only``, one bug per function in each of two runs, beside the byte counts, which keep their
+points. A correct but slow ``BucketedDDP`` loses its speed check only (or none, where the
+machine cannot show the reference's speedup).
 """
 from __future__ import annotations
 
