@@ -161,7 +161,7 @@ def test_a_zero_size_parameter_joining_an_oversized_bucket_loses_assign_buckets_
 
 
 #: Graded beside the classes' bugs: compared with the classes' runs, they lose nothing to them
-#: (a run that breaks the contract is not compared with).
+#: (where a run breaks the contract, the contract's bytes stand in for it).
 BYTE_COUNTS = ("model_state_bytes", "comm_bytes_per_step")
 
 
@@ -179,9 +179,9 @@ def test_bugs_in_the_classes_fail_their_checks(run, offline_env, tmp_path):
     for function, _, check in bugs:
         assert status[check] == "failed", report["stdout"]
         assert got[function] < full[function], report["stdout"]
-    assert all(r["message"] for r in report["results"] if r["status"] in ("failed", "skipped"))
+    assert all(r["message"] for r in report["results"] if r["status"] == "failed")
     bystanders = [r for r in report["results"] if r["function"] in BYTE_COUNTS]
-    assert all(r["status"] in ("passed", "skipped") for r in bystanders), report["stdout"]
+    assert bystanders and all(r["status"] == "passed" for r in bystanders), report["stdout"]
 
 
 # Correct but slow: each bucket's gradients copied into the flat vector one element at a time

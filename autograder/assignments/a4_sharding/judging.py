@@ -56,8 +56,8 @@ def returned_values(student, name: str, cases) -> list[tuple[str, dict, object]]
     return out
 
 
-def judge_values(student, name: str, cases, want: list, seed: int, *, pair: bool = False,
-                 why: list[str] | None = None):
+def judge_values(student, name: str, cases, want: list, seed: int | None, *,
+                 pair: bool = False, why: list[str] | None = None):
     """Each case's result equals ``want``'s; ``why``: what each expected value is, in words."""
     for k, ((call, returned, got), w) in enumerate(zip(returned_values(student, name, cases),
                                                         want)):
@@ -66,8 +66,8 @@ def judge_values(student, name: str, cases, want: list, seed: int, *, pair: bool
                 f"{call} should return a pair (start, end), got {got!r}"
             got = tuple(got)
         because = f": {why[k]}" if why else ""
-        assert got == w, (f"{call} returned {got!r}, expected {w!r}{because} (cases from seed "
-                          f"{seed})")
+        from_seed = f" (cases from seed {seed})" if seed is not None else ""
+        assert got == w, f"{call} returned {got!r}, expected {w!r}{because}{from_seed}"
 
 
 def judge_value_errors(student, name: str, cases):

@@ -3,19 +3,23 @@
 optimizer state that sharding saved, from the collectives and the state that the grader counted
 in those runs (:mod:`.runs`), at sizes divisible by the world size (no padding).
 
-A run counts only where it issued the contract's collectives (or kept the contract's state):
-where it did not, its class's own checks say so, and the byte counts are not judged on it (a
-bug costs the points of one function only).
+Where a run did not issue the contract's collectives, or keep the contract's state, or did not
+finish, the class's own checks fail it, and the byte counts are compared with what the
+contract's collectives send (or the contract's state holds) at the same sizes instead: a bug in
+a class costs the points of that class only, and the byte counts are always graded (no SKIP,
+which nbgrader would award).
 """
 from __future__ import annotations
 
-from autograder.checking.harness import skip_unless
-
 from . import expected
-from .runs import linear_each, optimizer_each
+from .runs import LINEAR_CASES, OPT_CASES, linear_each, optimizer_each
 
 #: Bytes per element of the runs (float64) and, for the accounting, of fp32 training.
 RUN_ELEMENT, FP32_ELEMENT = 8, 4
+#: The world sizes of the runs that count collectives (1 rank sends nothing).
+WORLDS = (2, 3)
+_INSTEAD = ("your {what} did not issue the contract's collectives in its run (its own checks say "
+            "why), so these are the bytes the contract's collectives send")
 
 
 def ring_bytes(log, world: int) -> int:
@@ -26,75 +30,77 @@ def ring_bytes(log, world: int) -> int:
     return (world - 1) * full * RUN_ELEMENT // world
 
 
-def _runs_or_skip(walk, what: str) -> list:
-    """Every item ``walk()`` yields, or a SKIP when the run failed (its class's checks fail)."""
+def _replies(walk) -> list:
+    """Every item ``walk()`` yields, or none when the run failed (its class's checks say why)."""
     try:
         return list(walk())
-    except AssertionError as exc:
-        skip_unless(False, f"your {what} did not run to the end here, so the byte counts cannot "
-                           f"be compared with its run (its own checks say why: "
-                           f"{str(exc).splitlines()[0][:300]})")
+    except AssertionError:
+        return []
 
 
-def traffic_of_runs(student) -> tuple[int, dict, dict]:
-    """(seed, {(P, N, stage): bytes one rank sent}, {(P, N, stage): where it was counted}) for
-    one ``step()`` of the ShardedOptimizer (stage 2) and one forward and backward of the
-    ShardedLinear (stage 3) on N >= 2 ranks, with P divisible by N, where they issued exactly the
-    contract's collectives of the whole vector. SKIP when no run can be used."""
-    sent, where, seed = {}, {}, None
-    for seed, world, rank, i, case, r in _runs_or_skip(lambda: optimizer_each(student),
-                                                       "ShardedOptimizer"):
-        numel = sum(p.numel() for p in expected.seeded_model(case[0], 0).parameters())
-        if world < 2 or numel % world:
-            continue
-        for log in r["sized"]:
-            if sorted((op, inp if op == "REDUCE_SCATTER" else out) for op, inp, out in log) == [
-                    ("ALLGATHER", numel), ("REDUCE_SCATTER", numel)]:
-                sent[numel, world, 2] = ring_bytes(log, world)
-                where[numel, world, 2] = (f"what one rank sent in one step() of your "
-                                          f"ShardedOptimizer on {world} ranks ({numel} float64 "
-                                          "elements), by ring algorithms")
-    for seed, world, rank, case, r, want in _runs_or_skip(lambda: linear_each(student),
-                                                          "ShardedLinear"):
-        numel = want["numel"]
-        got = sorted((op, inp if op == "REDUCE_SCATTER" else out) for op, inp, out in r["sized"])
-        if world >= 2 and numel % world == 0 and got == [
-                ("ALLGATHER", numel), ("ALLGATHER", numel), ("REDUCE_SCATTER", numel)]:
-            sent[numel, world, 3] = ring_bytes(r["sized"], world)
-            where[numel, world, 3] = (f"what one rank sent in one forward and backward of your "
-                                      f"ShardedLinear on {world} ranks ({numel} float64 "
-                                      "elements), by ring algorithms")
-    skip_unless(bool(sent), "neither your ShardedOptimizer nor your ShardedLinear issued the "
-                            "contract's collectives in its run (their own checks say how), so "
-                            "the bytes they sent cannot be compared with comm_bytes_per_step")
-    return seed, sent, where
+def _numel(kind: str) -> int:
+    return sum(p.numel() for p in expected.seeded_model(kind, 0).parameters())
 
 
-def state_saved_by_sharding(student) -> tuple[int, dict]:
-    """(seed, {(P, N): (AdamW's state on 1 rank, on each of N ranks) in bytes}) of the
-    ShardedOptimizer's AdamW cases with P divisible by N >= 2, where each rank kept the
-    contract's state (two float64 moments of its shard's elements). SKIP when none did."""
-    state: dict = {}
+def _contract(ops, numel: int) -> list:
+    """The contract's collectives of one step, as logged: ``(op, in, out)`` per rank."""
+    return [(op, numel, numel) for op in ops]
+
+
+def traffic_of_runs(student) -> tuple[int | None, dict]:
+    """(seed, {(P, N, stage): (bytes one rank sent, where they come from)}) for one ``step()``
+    of the ShardedOptimizer (stage 2) and one forward and backward of the ShardedLinear
+    (stage 3), at each case's P divisible by N: counted from the run where it issued exactly the
+    contract's collectives of the whole vector, else those of the contract."""
+    sizes = {(_numel(kind), n, 2) for kind, _, _ in OPT_CASES for n in WORLDS}
+    sizes |= {(i * o + (o if bias else 0), n, 3) for i, o, bias, *_ in LINEAR_CASES for n in WORLDS}
+    contract = {2: ("ALLGATHER", "REDUCE_SCATTER"), 3: ("ALLGATHER", "ALLGATHER", "REDUCE_SCATTER")}
+    sent = {(p, n, s): (ring_bytes(_contract(contract[s], p), n),
+                        _INSTEAD.format(what="ShardedOptimizer" if s == 2 else "ShardedLinear"))
+            for p, n, s in sorted(sizes) if p % n == 0}
     seed = None
-    for seed, world, rank, i, case, r in _runs_or_skip(lambda: optimizer_each(student),
-                                                       "ShardedOptimizer"):
-        kind, name, kwargs = case
-        numel = sum(p.numel() for p in expected.seeded_model(kind, 0).parameters())
-        per_element = expected.optimizer_state_per_element(name, kwargs) * RUN_ELEMENT
-        if name != "AdamW" or numel % world:
-            continue
-        kept = r["state_bytes"] if r["is_optimizer"] and r["owned"] == numel // world else None
-        state.setdefault(i, {}).setdefault(world, []).append(
-            kept if kept == numel // world * per_element else None)
-        state[i]["numel"] = numel
+    logs = [(seed, world, _numel(case[0]), 2, log, "one step() of your ShardedOptimizer")
+            for seed, world, rank, i, case, r in _replies(lambda: optimizer_each(student))
+            for log in r["sized"]]
+    logs += [(seed, world, want["numel"], 3, r["sized"],
+              "one forward and backward of your ShardedLinear")
+             for seed, world, rank, case, r, want in _replies(lambda: linear_each(student))]
+    for seed, world, numel, stage, log, what in logs:
+        got = sorted((op, inp if op == "REDUCE_SCATTER" else out) for op, inp, out in log)
+        if (numel, world, stage) in sent and got == sorted(
+                (op, numel) for op in contract[stage]):
+            sent[numel, world, stage] = (ring_bytes(log, world), (
+                f"what one rank sent in {what} on {world} ranks ({numel} float64 elements), by "
+                "ring algorithms"))
+    return seed, sent
+
+
+def state_saved_by_sharding(student) -> tuple[int | None, dict]:
+    """(seed, {(P, N): (AdamW's state on 1 rank, on each of N ranks, in bytes; where they come
+    from)}) for the ShardedOptimizer's AdamW cases with P divisible by N: from the run where
+    every rank kept the contract's state (two float64 moments of its shard's elements), else
+    the contract's."""
+    per_element = 2 * RUN_ELEMENT  # AdamW: two moments (expected.optimizer_state_per_element)
+    adamw = {i: _numel(kind) for i, (kind, name, _) in enumerate(OPT_CASES) if name == "AdamW"}
+    kept: dict = {}
+    seed = None
+    for seed, world, rank, i, case, r in _replies(lambda: optimizer_each(student)):
+        if i in adamw and adamw[i] % world == 0:
+            shard = adamw[i] // world
+            ok = r["is_optimizer"] is True and r["owned"] == shard \
+                and r["state_bytes"] == shard * per_element
+            kept.setdefault((i, world), []).append(ok)
     saved = {}
-    for runs in state.values():
-        (one,) = runs[1]
-        for world in (2, 3):
-            kept = runs.get(world, [None])
-            if one is not None and world in runs and all(k is not None for k in kept):
-                saved[runs["numel"], world] = (one, kept[0])
-    skip_unless(bool(saved), "your ShardedOptimizer did not keep the contract's AdamW state in "
-                             "its run (its own checks say how), so model_state_bytes cannot be "
-                             "compared with it")
+    for i, numel in adamw.items():
+        for world in WORLDS:
+            if numel % world:
+                continue
+            one, each = numel * per_element, numel // world * per_element
+            from_run = all(kept.get((i, w)) and all(kept[i, w]) for w in (1, world))
+            saved[numel, world] = (one, each, (
+                f"your ShardedOptimizer's AdamW state was {one} bytes on 1 rank and {each} on "
+                f"each of {world} ranks" if from_run else
+                f"your ShardedOptimizer did not keep the contract's AdamW state in its run (its "
+                f"own checks say why), so the contract's: {one} bytes on 1 rank and {each} on "
+                f"each of {world} ranks"))
     return seed, saved
