@@ -154,3 +154,38 @@ def judge_rounds(one_round, *, what: str, fixed_threshold: float, reference_mini
             "instructor's grade compares with the reference on the grading machine and may "
             "differ)")
         print(f"{what}: {median(mine):.2f}x (needed {fixed_threshold:.2f}x; {rounds})")
+
+
+def timed_rounds(student, assignment: str, servers, one_round, verify, *, helper_cells=None,
+                 **judging) -> None:
+    """Start ``servers`` ([(key, function, setup, world size, args, backend, warm-up
+    commands)]: :class:`~.ranks.RankServer` s) in the student's sandbox and in a reference
+    sandbox; judge ``one_round(i, student_call, reference_call)`` in interleaved rounds
+    (:func:`judge_rounds`, with ``judging``); then stop the student's and ``verify`` what their
+    ranks returned ({key: ranks' results}), even when the speed is not judged here (a SKIP is
+    raised after that). ``helper_cells``: the reference's cells for the graded functions the
+    student's function calls (the reference sandbox has its own)."""
+    import pytest
+
+    from .ranks import probe_server_run, probe_server_start, probe_server_stop
+    from .spec import load_spec
+
+    spec = load_spec(assignment)
+    with reference_sandbox(assignment) as reference:
+        for call, cells in ((student.call, helper_cells), (reference, None)):
+            for key, function, setup, world_size, args, backend, warmup in servers:
+                if call is None:  # the student edition: no reference to compare with
+                    break
+                f = spec.function(function)
+                call(probe_server_start, key, f, setup, world_size, args, cells, f.helpers, backend)
+                for command in warmup:
+                    call(probe_server_run, key, command)
+        skipped = None
+        try:
+            judge_rounds(lambda i: one_round(i, student.call, reference),
+                         has_reference=reference is not None, **judging)
+        except pytest.skip.Exception as exc:  # the reference cannot show it: still verify
+            skipped = exc
+        verify({key: student.call(probe_server_stop, key) for key, *_ in servers})
+    if skipped is not None:
+        raise skipped

@@ -2,7 +2,8 @@
 
 Written from ``assignments/a4_sharding/sharding.ipynb`` (its set-up cell imports ``functools``,
 ``math``, ``torch``, ``dist``, ``F``, ``nn``), in other ways than the reference: the text's own
-``math.ceil``, ``ReduceOp.AVG``, the ``*_tensor`` collectives, a counter per bucket. Written by
+``math.ceil``, ``ReduceOp.AVG``, the ``*_tensor`` collectives, a counter per bucket, and
+``fully_shard``'s return value as the returned model. Written by
 the author of the reference (no second engineer was at hand): a review from the text alone is
 still owed. Keys are the answer cells' grade ids.
 '''
@@ -209,5 +210,18 @@ class _Stage3Linear(torch.autograd.Function):
         mine = torch.zeros(layer.c, dtype=vec.dtype)
         dist.reduce_scatter_tensor(mine, padded, op=dist.ReduceOp.AVG)
         return gx, mine[:layer.hi - layer.lo], None
+''',
+    "apply_fsdp": '''\
+def apply_fsdp(model, mesh):
+    """FSDP2 over `mesh`: one unit per block, then the root; returns the model."""
+    from torch.distributed.fsdp import fully_shard as shard_unit
+
+    if isinstance(getattr(model, "blocks", None), nn.ModuleList):
+        units = [m for m in model.blocks]
+    else:
+        units = [child for _, child in model.named_children()]
+    for unit in units:
+        shard_unit(unit, mesh=mesh)
+    return shard_unit(model, mesh=mesh)
 ''',
 }

@@ -7,7 +7,8 @@ the student's function on N fresh processes (what each runs is in ``ranks.py``) 
 what came back; the check computes the expectation itself (one-process SGD in float64, sums)
 from the same seeds, and judges. Points and call timeouts: ``spec.py``.
 
-The speed checks keep ranks up (:class:`~autograder.checking.ranks.RankServer`) on both sides:
+The speed checks keep ranks up (:class:`~autograder.checking.ranks.RankServer`) on both sides
+(:func:`~autograder.checking.speed.timed_rounds`):
 the student's, in the student's sandbox, and the reference solution's, in a sandbox of its own
 (:func:`~autograder.checking.speed.reference_sandbox`) whose processes never ran student code.
 The grader times each command from its own process, in rounds that alternate between the two
@@ -18,16 +19,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
 from autograder.checking.expect import (assert_close, assert_close_float32, fresh_generator,
                                         float32_tolerance_of_all, sequence, tensor)
 from autograder.checking.harness import skip_unless
-from autograder.checking.ranks import probe_server_run, probe_server_start, probe_server_stop
+from autograder.checking.ranks import probe_server_run
 from autograder.checking.reference import reference_cells
-from autograder.checking.speed import (against_trusted_baseline, in_turn, judge_rounds,
-                                       reference_sandbox, timed)
+from autograder.checking.speed import against_trusted_baseline, in_turn, timed, timed_rounds
 from course import FULL_RUN
 from course.devices import gpu_count
 
@@ -50,32 +49,6 @@ def can_show_speedup() -> tuple[bool, str]:
         f"needs 2 GPUs or 2 CPU cores, this machine gives the grader {gpus} GPU(s) and {cores} "
         "core(s): two processes would take turns on one core")
 
-
-
-def _timed_rounds(student, servers, one_round, verify, *, helper_cells=None, **judging):
-    """Start ``servers`` ([(key, function, setup, world size, args, backend, warm-up
-    commands)]) in the student's sandbox and in a reference sandbox; judge
-    ``one_round(i, student_call, reference_call)`` in interleaved rounds (:func:`judge_rounds`);
-    then stop the student's and ``verify`` what
-    their ranks returned ({key: ranks' results}), even when the speed is not judged here."""
-    with reference_sandbox(ASSIGNMENT) as reference:
-        for call, cells in ((student.call, helper_cells), (reference, None)):
-            for key, function, setup, world_size, args, backend, warmup in servers:
-                if call is None:  # the student edition: no reference to compare with
-                    break
-                f = SPEC.function(function)
-                call(probe_server_start, key, f, setup, world_size, args, cells, f.helpers, backend)
-                for command in warmup:
-                    call(probe_server_run, key, command)
-        skipped = None
-        try:
-            judge_rounds(lambda i: one_round(i, student.call, reference),
-                         has_reference=reference is not None, **judging)
-        except pytest.skip.Exception as exc:  # the reference cannot show it: still verify
-            skipped = exc
-        verify({key: student.call(probe_server_stop, key) for key, *_ in servers})
-    if skipped is not None:
-        raise skipped
 
 
 # ---------------------------------------------------------------------------- average_gradients
@@ -222,11 +195,12 @@ def test_ring_allreduce_bandwidth(student):
 
     # the student edition asks for half of all_reduce's speed; a reference ring below that
     # bar itself means the machine's timings cannot tell a good ring from a poor one (SKIP)
-    _timed_rounds(student, [("ring", "ring_allreduce", ring_server, 2, (seed, sizes), None,
-                             warmup)], ring_fraction, verify,
-                  what=f"ring_allreduce speed as a fraction of dist.all_reduce's "
-                       f"({RING_TIMED_NUMEL >> 20}M float32 on 2 processes)",
-                  fixed_threshold=0.5, reference_minimum=0.5)
+    timed_rounds(student, ASSIGNMENT,
+                 [("ring", "ring_allreduce", ring_server, 2, (seed, sizes), None, warmup)],
+                 ring_fraction, verify,
+                 what=f"ring_allreduce speed as a fraction of dist.all_reduce's "
+                      f"({RING_TIMED_NUMEL >> 20}M float32 on 2 processes)",
+                 fixed_threshold=0.5, reference_minimum=0.5)
 
 
 # ---------------------------------------------------------------------------- make_dataloader
@@ -328,8 +302,9 @@ def test_train_ddp_weak_scaling_two_processes(student):
     where = "2 GPUs" if gpu_count() >= 2 else "2 CPU processes, one thread each,"
     # below 1.25x for the reference, 80% of it would not even ask 2 processes to beat 1: the
     # machine (cores taken by other work) cannot show weak scaling (SKIP)
-    _timed_rounds(student, servers, lambda i, mine, ref: in_turn(i, two_vs_one, mine, ref), verify,
-                  helper_cells=reference_cells(ASSIGNMENT, TRAIN_HELPERS),
-                  what=f"train_ddp weak scaling: examples per second on {where} vs 1 "
-                       f"({SCALING_BATCH} examples per process per step)",
-                  fixed_threshold=1.3, reference_minimum=1.25, max_rounds=9)
+    timed_rounds(student, ASSIGNMENT, servers,
+                 lambda i, mine, ref: in_turn(i, two_vs_one, mine, ref), verify,
+                 helper_cells=reference_cells(ASSIGNMENT, TRAIN_HELPERS),
+                 what=f"train_ddp weak scaling: examples per second on {where} vs 1 "
+                      f"({SCALING_BATCH} examples per process per step)",
+                 fixed_threshold=1.3, reference_minimum=1.25, max_rounds=9)

@@ -2,8 +2,12 @@
 
 Graded functions (see the notebook for their specifications): ``assign_buckets``,
 ``shard_bounds``, ``model_state_bytes``, ``comm_bytes_per_step`` (called here, in the sandbox,
-on cases from the run's seed and on the contracts' corner cases) and ``ShardedOptimizer``
-(started on 1, 2 and 3 processes; what each runs is in ``ranks.py``). Every expectation is
+on cases from the run's seed and on the contracts' corner cases), ``BucketedDDP``,
+``ShardedOptimizer`` and ``ShardedLinear`` (started on 1, 2 and 3 processes: the cases and the
+shared runs are in ``runs.py``, what each rank runs in ``ranks.py`` and ``ddp_ranks.py``;
+BucketedDDP's step time against the reference's: ``timing.py``), the
+byte counts again against those runs (``traffic.py``), and ``apply_fsdp`` (FSDP2 on 1 and 2
+processes, one run for all its checks). Every expectation is
 computed here, in the grader, from the released contracts (``expected.py``); the collectives
 are logged by the grader's own hooks on the process group, never reported by the student.
 Points and call timeouts: ``spec.py``.
@@ -15,10 +19,13 @@ import torch
 from autograder.checking.expect import assert_close, sequence, tensor
 
 from . import expected
-from .judging import (judge_value_errors, judge_values, runs_per_world_size, seeded_rng,
-                      zero_sizes)
-from .probes import probe_bucketed_ddp, probe_sharded_linear, probe_sharded_optimizer
+from .judging import judge_value_errors, judge_values, returned_values, seeded_rng, zero_sizes
+from .runs import (ALLOWED, FSDP_OPTIMIZER, FSDP_PER_RANK, FSDP_STEPS, OPT_PER_RANK, OPT_STEPS,
+                   ddp_each, fsdp_each, fsdp_where, judge_ddp_grads, linear_each, linear_where,
+                   optimizer_each, optimizer_where, shard_param)
 from .spec import SPEC
+from .timing import judge_step_time
+from .traffic import FP32_ELEMENT, RUN_ELEMENT, state_saved_by_sharding, traffic_of_runs
 
 graded = SPEC.graded
 ASSIGNMENT = SPEC.assignment
@@ -32,9 +39,12 @@ def test_assign_buckets_reverse_order_and_size_rule(student):
     cases = [(([3, 0, 5, 2, 10], 16), {}), (([], 8), {}), (([0, 0, 0], 4), {}),
              (([2, 2, 2, 2], 16), {}), (([100, 1, 1], 8), {}), (([1, 1, 100], 8), {}),
              (([3, 3, 0, 1], 12), {}), (([7], 1), {}), (([1, 2, 3, 4, 5], 10), {"element_size": 2}),
-             (([4, 4, 4], 64), {"element_size": 8}), (([5, 5, 5], 20), {"element_size": 4})]
-    for _ in range(6):  # sizes from the run's seed: no zero after an over-full bucket
-        numels = [rng.randint(1, 60) for _ in range(rng.randint(1, 30))]
+             (([4, 4, 4], 64), {"element_size": 8}), (([5, 5, 5], 20), {"element_size": 4}),
+             # a zero-size parameter after one larger than bucket_bytes starts a new bucket
+             (([0, 100], 8), {}), (([2, 0, 9, 0, 1], 8), {}), (([0, 0, 3], 4), {"element_size": 2})]
+    for _ in range(6):  # sizes from the run's seed, zero-size parameters among them
+        numels = [0 if rng.random() < 0.2 else rng.randint(1, 60)
+                  for _ in range(rng.randint(1, 30))]
         cases.append(((numels, rng.choice([8, 40, 100, 256, 1000])),
                       {"element_size": rng.choice([1, 2, 4, 8])}))
     want = [expected.buckets(a[0], a[1], k.get("element_size", 4)) for a, k in cases]
@@ -109,46 +119,12 @@ def test_comm_bytes_per_step_rejects_invalid_arguments(student):
         ((10, 2), {"stage": -1, "element_size": 2})])
 
 
-# ---------------------------------------------------------------------------- ShardedOptimizer
-
-OPT_CASES = [("mlp", "SGD", {"lr": 0.1, "momentum": 0.9}),
-             ("mlp", "AdamW", {"lr": 0.01, "weight_decay": 0.1}),
-             ("tiny", "AdamW", {"lr": 0.05}),
-             ("tiny", "SGD", {"lr": 0.1, "momentum": 0.5})]
-OPT_STEPS, OPT_PER_RANK = 3, 3
-#: Allowed python-level collective names inside step(): the reduce-scatter and all-gather
-#: families (one may call the other); anything else (an all-reduce) is not what step() does.
-_ALLOWED = ("reduce_scatter", "all_gather", "REDUCE_SCATTER", "ALLGATHER")
-
-
-def _optimizer_runs(student) -> tuple[int, dict]:
-    return runs_per_world_size(student, "opt", probe_sharded_optimizer, "shard_bounds", OPT_CASES, OPT_STEPS,
-                 OPT_PER_RANK)
-
-
-def _each(student):
-    """(world size, rank, case index, case, reply) of every rank of every run."""
-    seed, runs = _optimizer_runs(student)
-    for world, ranks in runs.items():
-        assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
-        for rank, replies in enumerate(ranks):
-            assert isinstance(replies, list) and len(replies) == len(OPT_CASES), \
-                "the probe's reply was tampered with"
-            for i, (case, reply) in enumerate(zip(OPT_CASES, replies)):
-                yield seed, world, rank, i, case, reply
-
-
-def _where(world, rank, case) -> str:
-    kind, name, kwargs = case
-    return f"{world} rank(s), rank {rank}, {name}({kwargs}) on the {kind} model"
-
-
 @graded
 def test_sharded_optimizer_matches_one_process(student):
     firsts = {}
-    for seed, world, rank, i, case, r in _each(student):
+    for seed, world, rank, i, case, r in optimizer_each(student):
         kind, name, kwargs = case
-        where = _where(world, rank, case)
+        where = optimizer_where(world, rank, case)
         assert all(g is True for g in r["grads_none"]), \
             f"{where}: after step(), some param.grad is not None"
         want = expected.one_process(kind, seed + i, name, kwargs, OPT_STEPS, OPT_PER_RANK, world)
@@ -166,9 +142,9 @@ def test_sharded_optimizer_matches_one_process(student):
 
 @graded
 def test_sharded_optimizer_state_bytes_per_rank(student):
-    for seed, world, rank, i, case, r in _each(student):
+    for seed, world, rank, i, case, r in optimizer_each(student):
         kind, name, kwargs = case
-        where = _where(world, rank, case)
+        where = optimizer_where(world, rank, case)
         assert r["is_optimizer"] is True, \
             f"{where}: .optimizer should be a torch.optim.{name}, got {r['optimizer']}"
         numel = sum(p.numel() for p in expected.seeded_model(kind, 0).parameters())
@@ -184,11 +160,11 @@ def test_sharded_optimizer_state_bytes_per_rank(student):
 
 @graded
 def test_sharded_optimizer_one_reduce_scatter_one_all_gather_per_step(student):
-    for seed, world, rank, i, case, r in _each(student):
+    for seed, world, rank, i, case, r in optimizer_each(student):
         if world < 2:
             continue  # counts are graded on 2 or more ranks only
         kind, name, kwargs = case
-        where = _where(world, rank, case)
+        where = optimizer_where(world, rank, case)
         numel = sum(p.numel() for p in expected.seeded_model(kind, 0).parameters())
         padded = world * -(-numel // world)
         for step, (log, counted) in enumerate(zip(r["sized"], r["counted"])):
@@ -202,68 +178,23 @@ def test_sharded_optimizer_one_reduce_scatter_one_all_gather_per_step(student):
                 f"{where}, step {step + 1}: the reduce-scatter's input has {rs[1]} element(s) "
                 f"and the all-gather's output {ag[2]}; both should be the padded flat buffer "
                 f"({padded} = {world} x ceil({numel} / {world}))")
-            other = sorted(k for k, v in counted.items() if v and not any(a in k for a in _ALLOWED))
+            other = sorted(k for k, v in counted.items() if v and not any(a in k for a in ALLOWED))
             assert not other, f"{where}, step {step + 1}: step() also called {', '.join(other)}"
-
-
-# ---------------------------------------------------------------------------- BucketedDDP
-
-#: (model shape (width, depth, with an unused parameter), bucket bytes): several buckets of
-#: float64 gradients, parameter 0 in the last one; the second case leaves parameter 2 unused.
-DDP_CASES = [((6, 4, False), 400), ((5, 3, True), 256)]
-DDP_STEPS, DDP_PER_RANK, DDP_LR = 3, 2, 0.1
-
-
-def _ddp_each(student, cases):
-    """(seed, world, rank, case index, step, that step's reply, expected gradients, buckets
-    as (indices, elements))."""
-    seed, runs = runs_per_world_size(student, "ddp", probe_bucketed_ddp, "assign_buckets", DDP_CASES,
-                       DDP_STEPS, DDP_PER_RANK, DDP_LR)
-    for world, ranks in runs.items():
-        assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
-        for i in cases:
-            shape, bucket_bytes = DDP_CASES[i]
-            want, numels = expected.one_process_ddp(seed + 101 * i, shape, DDP_STEPS,
-                                                    DDP_PER_RANK, world, DDP_LR)
-            buckets = [(b, sum(numels[j] for j in b))
-                       for b in expected.buckets(numels, bucket_bytes, 8)]
-            for rank, replies in enumerate(ranks):
-                assert isinstance(replies, list) and len(replies) == len(DDP_CASES) and all(
-                    isinstance(r, list) and len(r) == DDP_STEPS for r in replies), \
-                    "the probe's reply was tampered with"
-                for step, reply in enumerate(replies[i]):
-                    yield seed, world, rank, i, step, reply, want[step], buckets
-
-
-def _judge_ddp_grads(student, cases):
-    for seed, world, rank, i, step, reply, want, _ in _ddp_each(student, cases):
-        where = f"{world} rank(s), rank {rank}, model {i + 1}, step {step + 1}"
-        grads = sequence(reply["grads"], f"{where}: the gradients", len(want))
-        for j, (d, w) in enumerate(zip(grads, want)):
-            if w is None:
-                assert d.get("kind") == "tensor", (
-                    f"{where}: parameter {j} got no gradient in this step; after "
-                    f"finish_gradient_synchronization() its .grad should be zeros, got "
-                    f"{d.get('value') if d.get('kind') == 'plain' else d.get('kind')}")
-            g = tensor(d, f"{where}: gradient {j}")["value"]
-            assert_close(g, torch.zeros_like(g) if w is None else w,
-                         f"{where}: gradient {j} after finish_gradient_synchronization() (vs the "
-                         "full-batch gradient in one process)", rtol=1e-9, atol=1e-12, seed=seed)
 
 
 @graded
 def test_bucketed_ddp_gradients_match_one_process(student):
-    _judge_ddp_grads(student, [0])
+    judge_ddp_grads(student, [0])
 
 
 @graded
 def test_bucketed_ddp_unused_parameter_counts_as_zeros(student):
-    _judge_ddp_grads(student, [1])
+    judge_ddp_grads(student, [1])
 
 
 @graded
 def test_bucketed_ddp_one_all_reduce_per_bucket_in_bucket_order(student):
-    for seed, world, rank, i, step, reply, _, buckets in _ddp_each(student, [0, 1]):
+    for seed, world, rank, i, step, reply, _, buckets in ddp_each(student, [0, 1]):
         if world < 2:
             continue  # counts are graded on 2 or more ranks only
         where = f"{world} rank(s), rank {rank}, model {i + 1}, step {step + 1}"
@@ -282,7 +213,7 @@ def test_bucketed_ddp_one_all_reduce_per_bucket_in_bucket_order(student):
 
 @graded
 def test_bucketed_ddp_first_all_reduce_before_parameter_0_gradient(student):
-    for seed, world, rank, i, step, reply, _, buckets in _ddp_each(student, [0]):
+    for seed, world, rank, i, step, reply, _, buckets in ddp_each(student, [0]):
         if world < 2:
             continue
         assert len(buckets) > 1 and 0 not in buckets[0][0]  # the case can show overlap
@@ -296,42 +227,16 @@ def test_bucketed_ddp_first_all_reduce_before_parameter_0_gradient(student):
             "computed: launch each bucket during backward, as soon as its gradients are in")
 
 
-# ---------------------------------------------------------------------------- ShardedLinear
-
-#: (in, out, bias, batch, input needs grad): sizes not divisible by 2 or 3, no bias, an input
-#: without gradient; every input and output holds fewer elements than the weight.
-LINEAR_CASES = [(7, 5, True, 3, True), (6, 4, False, 2, False), (5, 3, True, 2, True)]
-
-
-def _linear_each(student):
-    """(seed, world, rank, case, reply, what every rank must see) of every rank and case."""
-    seed, runs = runs_per_world_size(student, "linear", probe_sharded_linear, "shard_bounds", LINEAR_CASES)
-    for world, ranks in runs.items():
-        assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
-        for i, case in enumerate(LINEAR_CASES):
-            want = expected.linear_case(seed + i, case, world)
-            for rank, replies in enumerate(ranks):
-                assert isinstance(replies, list) and len(replies) == len(LINEAR_CASES), \
-                    "the probe's reply was tampered with"
-                yield seed, world, rank, case, replies[i], want
-
-
-def _shard_param(reply, where: str, key: str):
-    params = sequence(reply[key], f"{where}: the layer's parameters")
-    assert len(params) == 1, f"{where}: the layer should have one parameter (its shard), has {len(params)}"
-    return tensor(params[0], f"{where}: the shard")["value"]
-
-
-def _linear_where(world, rank, case):
-    in_f, out_f, bias, batch, needs = case
-    return (f"{world} rank(s), rank {rank}, ShardedLinear({in_f}, {out_f}, bias={bias}) on "
-            f"{batch} inputs{'' if needs else ' that need no gradient'}")
+@graded
+def test_bucketed_ddp_step_time_against_the_reference(student):
+    judge_ddp_grads(student, [0])  # a speed counts only for correct code
+    judge_step_time(student)
 
 
 @graded
 def test_sharded_linear_outputs_and_gradients_match_dense(student):
-    for seed, world, rank, case, r, want in _linear_each(student):
-        where = _linear_where(world, rank, case)
+    for seed, world, rank, case, r, want in linear_each(student):
+        where = linear_where(world, rank, case)
         close = dict(rtol=1e-10, atol=1e-12, seed=seed)
         assert_close(tensor(r["output"], f"{where}: the output")["value"], want["outputs"][rank],
                      f"{where}: the output (vs nn.Linear with the same full values)", **close)
@@ -347,10 +252,10 @@ def test_sharded_linear_outputs_and_gradients_match_dense(student):
 
 @graded
 def test_sharded_linear_stores_its_shard_initialised_like_nn_linear(student):
-    for seed, world, rank, case, r, want in _linear_each(student):
-        where = _linear_where(world, rank, case)
+    for seed, world, rank, case, r, want in linear_each(student):
+        where = linear_where(world, rank, case)
         start, end = want["bounds"][rank]
-        initial = _shard_param(r, where, "initial")
+        initial = shard_param(r, where, "initial")
         assert initial.numel() == end - start, (
             f"{where}: the layer stores {initial.numel()} element(s); its shard is "
             f"shard_bounds({want['numel']}, {world}, {rank}) = ({start}, {end})")
@@ -361,10 +266,10 @@ def test_sharded_linear_stores_its_shard_initialised_like_nn_linear(student):
 
 @graded
 def test_sharded_linear_two_all_gathers_one_reduce_scatter(student):
-    for seed, world, rank, case, r, want in _linear_each(student):
+    for seed, world, rank, case, r, want in linear_each(student):
         if world < 2:
             continue  # counts are graded on 2 or more ranks only
-        where = _linear_where(world, rank, case)
+        where = linear_where(world, rank, case)
         padded = world * -(-want["numel"] // world)
         ops = sorted((op, i if op == "REDUCE_SCATTER" else o) for op, i, o in r["sized"])
         expect = [("ALLGATHER", padded), ("ALLGATHER", padded), ("REDUCE_SCATTER", padded)]
@@ -375,10 +280,10 @@ def test_sharded_linear_two_all_gathers_one_reduce_scatter(student):
 
 @graded
 def test_sharded_linear_keeps_no_full_weight_between_forward_and_backward(student):
-    for seed, world, rank, case, r, want in _linear_each(student):
+    for seed, world, rank, case, r, want in linear_each(student):
         if world < 2:
             continue  # one rank's shard is the whole layer
-        where = _linear_where(world, rank, case)
+        where = linear_where(world, rank, case)
         limit = want["weight_numel"]
         saved = [n for n in r["saved"] if n >= limit]
         assert not saved, (f"{where}: forward saved for backward a tensor of {max(saved)} "
@@ -387,3 +292,87 @@ def test_sharded_linear_keeps_no_full_weight_between_forward_and_backward(studen
         assert r["alive"] < limit, (
             f"{where}: after forward a tensor of {r['alive']} elements (as large as the full "
             f"weight, {limit}) is still alive: free the gathered vector after use")
+
+
+# ---------------------------------------------------------------------------- the byte counts
+# against the runs above (after them in this file: they reuse those runs)
+
+@graded
+def test_model_state_bytes_matches_the_optimizer_state_of_real_runs(student):
+    seed, saved = state_saved_by_sharding(student)
+    cases = [((p, n), {"stage": s, "mixed_precision": False}) for p, n in saved for s in (0, 1)]
+    values = iter(returned_values(student, "model_state_bytes", cases))
+    for (p, n), (one, each, source) in saved.items():
+        (call0, _, stage0), (call1, _, stage1) = next(values), next(values)
+        want = (one - each) * FP32_ELEMENT // RUN_ELEMENT
+        assert stage0 - stage1 == want, (
+            f"{call0} - {call1} = {stage0 - stage1!r}, what ZeRO stage 1 saves per rank in your "
+            f"accounting (fp32 Adam state); expected {want}: {source}, so sharding saved "
+            f"{one - each} bytes of float64 moments, {want} in fp32")
+
+
+@graded
+def test_comm_bytes_per_step_matches_the_traffic_of_real_runs(student):
+    seed, sent = traffic_of_runs(student)
+    cases = [((p, n), {"stage": s, "element_size": RUN_ELEMENT}) for p, n, s in sent]
+    judge_values(student, "comm_bytes_per_step", cases, [b for b, _ in sent.values()], seed,
+                 why=[source for _, source in sent.values()])
+
+
+# ---------------------------------------------------------------------------- apply_fsdp
+
+@graded
+def test_apply_fsdp_each_block_and_the_root_its_own_unit(student):
+    for seed, world, rank, i, kind, r in fsdp_each(student):
+        where = fsdp_where(world, rank, kind)
+        assert r["returned_model"] is True, f"{where}: it should return the model it was given"
+        skipped = [j for j, unit in enumerate(r["block_units"]) if unit is not True]
+        assert not skipped, (f"{where}: block(s) {skipped} of {len(r['block_units'])} are not FSDP "
+                             "modules: apply fully_shard to each block")
+        assert r["root_unit"] is True, \
+            f"{where}: the model itself is not an FSDP module: apply fully_shard to the root too"
+        if world < 2:
+            continue  # one rank gathers nothing
+        want = sorted(("ALLGATHER", n) for n in expected.fsdp_all_gathers(kind, world))
+        for step, log in enumerate(r["forwards"]):
+            assert sorted(map(tuple, log)) == want, (
+                f"{where}, forward {step + 1}: {sorted(map(tuple, log)) or 'no collective'} on "
+                f"the mesh's process group (op, elements this rank sent); one all-gather per "
+                f"FSDP unit that holds parameters, of its shards, was expected: {want} (the "
+                "root's own parameters, and each block's)")
+
+
+@graded
+def test_apply_fsdp_parameters_are_dtensors_sharded_on_dim_0(student):
+    for seed, world, rank, i, kind, r in fsdp_each(student):
+        where = fsdp_where(world, rank, kind)
+        want = expected.fsdp_local_shapes(kind, world, rank)
+        assert len(r["params"]) == len(want), f"{where}: the model has {len(r['params'])} parameters"
+        for (name, shape), p in zip(want, r["params"]):
+            assert p["dtensor"] is True, f"{where}: parameter {name} is not a DTensor"
+            assert p["on_mesh"] is True, f"{where}: parameter {name} is not on the mesh passed in"
+            assert [tuple(x) for x in p["placements"]] == [("Shard", 0)], (
+                f"{where}: parameter {name} has placements "
+                f"{[f'{kind}({dim})' for kind, dim in p['placements']]}, not [Shard(0)]")
+            assert p["local_shape"] == shape, (
+                f"{where}: parameter {name}'s local shard has shape {p['local_shape']}, expected "
+                f"{shape} (rank {rank}'s rows of dim 0)")
+
+
+@graded
+def test_apply_fsdp_training_matches_one_process(student):
+    name, kwargs = FSDP_OPTIMIZER
+    wants = {}
+    for seed, world, rank, i, kind, r in fsdp_each(student):
+        where = fsdp_where(world, rank, kind)
+        if (world, i) not in wants:  # the same for every rank
+            wants[world, i] = expected.one_process(kind, seed + i, name, kwargs, FSDP_STEPS,
+                                                   FSDP_PER_RANK, world)
+        want = wants[world, i]
+        full = sequence(r["full"], f"{where}: the parameters", len(want))
+        for j, (d, w) in enumerate(zip(full, want)):
+            # float64 sums in another order stray by ~1e-16 relative: 1e-9 catches any real
+            # difference (a gradient not averaged: ~1e-1)
+            assert_close(tensor(d, f"{where}: parameter {j}")["value"], w,
+                         f"{where}: parameter {j} after {FSDP_STEPS} steps of {name}({kwargs}) "
+                         "(vs one process on the full batches)", rtol=1e-9, atol=1e-12, seed=seed)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .ranks import make_data, seeded_model, step_rows
+from .ranks import fsdp_blocks, make_data, seeded_model, step_rows
 
 
 def buckets(numels: list[int], bucket_bytes: int, element_size: int) -> list[list[int]]:
     """The contract's walk: last index first; a new bucket iff the current one is not empty and
-    its bytes plus the next parameter's exceed ``bucket_bytes``."""
+    its bytes plus the next parameter's exceed ``bucket_bytes`` (so a zero-size parameter after
+    one larger than ``bucket_bytes`` starts a new bucket, as the text says)."""
     out: list[list[int]] = []
     current, size = [], 0
     for i in range(len(numels) - 1, -1, -1):
@@ -71,7 +72,7 @@ def one_process_ddp(seed: int, shape, steps: int, per_rank: int, world_size: int
                     ) -> tuple[list[list[torch.Tensor | None]], list[int]]:
     """(each step's gradients of the managed parameters in one process on the full batch, with
     rank 0's model and the same SGD between steps; the managed parameters' sizes)."""
-    from .ranks import ddp_model, ddp_seed
+    from .ddp_ranks import ddp_model, ddp_seed
 
     width, depth, unused = shape
     model = ddp_model(ddp_seed(seed, 0), width, depth, unused)
@@ -120,3 +121,28 @@ def linear_case(seed: int, case, world_size: int) -> dict:
     return {"numel": numel, "weight_numel": in_f * out_f, "bounds": bounds,
             "initial": [flat_init[s:e] for s, e in bounds], "outputs": outputs,
             "input_grads": input_grads, "grads": [mean[s:e] for s, e in bounds]}
+
+
+def fsdp_all_gathers(kind: str, world_size: int) -> list[int]:
+    """Elements that each rank gives the all-gather of each FSDP unit holding parameters, in
+    forward order (the root's own parameters, then each block's): every parameter's Shard(0)
+    chunk, padded to ``ceil(dim 0 / N)`` rows."""
+    model = seeded_model(kind, 0)
+    blocks = fsdp_blocks(kind, model)
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    units = [[p for p in model.parameters() if id(p) not in in_blocks]]
+    units += [list(block.parameters()) for block in blocks]
+
+    def padded(p):  # ceil(rows / N) rows on every rank
+        return -(-p.shape[0] // world_size) * (p.numel() // p.shape[0])
+    return [sum(padded(p) for p in unit) for unit in units if unit]
+
+
+def fsdp_local_shapes(kind: str, world_size: int, rank: int) -> list[tuple[str, list[int]]]:
+    """(name, local shape) of each parameter of ``kind`` sharded on dim 0: this rank's
+    :func:`shard` of its rows."""
+    out = []
+    for name, p in seeded_model(kind, 0).named_parameters():
+        start, end = shard(p.shape[0], world_size, rank)
+        out.append((name, [end - start, *p.shape[1:]]))
+    return out

@@ -7,6 +7,7 @@ import random
 
 from autograder.checking.expect import fresh_generator
 from autograder.checking.reference import reference_cells
+from autograder.checking.timeouts import call_timeout
 
 from .probes import probe_calls
 from .spec import SPEC
@@ -44,16 +45,29 @@ def show(name: str, args, kwargs) -> str:
     return f"{name}({', '.join(shown)})"
 
 
-def judge_values(student, name: str, cases, want: list, seed: int, *, pair: bool = False):
-    for (args, kwargs), reply, w in zip(cases, call_cases(student, name, cases), want):
+def returned_values(student, name: str, cases) -> list[tuple[str, dict, object]]:
+    """(the call as text, its described result, the result as plain ints) of each case, in
+    order; the first case that raises fails the check with its message."""
+    out = []
+    for (args, kwargs), reply in zip(cases, call_cases(student, name, cases)):
         call = show(name, args, kwargs)
         assert "returned" in reply, f"{call} raised {reply.get('raised')}: {reply.get('message')}"
-        got = plain(reply["returned"], f"{call}'s result")
+        out.append((call, reply["returned"], plain(reply["returned"], f"{call}'s result")))
+    return out
+
+
+def judge_values(student, name: str, cases, want: list, seed: int | None, *,
+                 pair: bool = False, why: list[str] | None = None):
+    """Each case's result equals ``want``'s; ``why``: what each expected value is, in words."""
+    for k, ((call, returned, got), w) in enumerate(zip(returned_values(student, name, cases),
+                                                        want)):
         if pair:
-            assert reply["returned"].get("kind") in ("tuple", "list") and len(got) == 2, \
+            assert returned.get("kind") in ("tuple", "list") and len(got) == 2, \
                 f"{call} should return a pair (start, end), got {got!r}"
             got = tuple(got)
-        assert got == w, f"{call} returned {got!r}, expected {w!r} (cases from seed {seed})"
+        because = f": {why[k]}" if why else ""
+        from_seed = f" (cases from seed {seed})" if seed is not None else ""
+        assert got == w, f"{call} returned {got!r}, expected {w!r}{because}{from_seed}"
 
 
 def judge_value_errors(student, name: str, cases):
@@ -72,12 +86,17 @@ def zero_sizes(rng) -> list[tuple[int, int]]:
     return [(p, w) for p in params for w in worlds]
 
 
-def runs_per_world_size(student, key: str, probe, helper: str, *args) -> tuple[int, dict]:
+def runs_per_world_size(student, key: str, owner: str, probe, helper: str, *args
+                        ) -> tuple[int, dict]:
     """(seed, {world size: the ranks' replies}) of one run per world size (1, 2, 3) of ``probe``
-    with the reference's ``helper`` where at hand, shared by a class's checks; a failure is
-    remembered and fails each of them alike."""
+    with the reference's ``helper`` where at hand, shared by a class's checks (and the byte
+    counts' comparisons with them); a failure is remembered and fails each of them alike. Each
+    call may take what check ``owner`` allows (calibrated or the spec's), whichever check
+    starts the run."""
     def run():
         _, seed = fresh_generator()
         helpers = reference_cells(SPEC.assignment, ["setup", helper])
-        return seed, {w: student.call(probe, w, seed, *args, helpers) for w in (1, 2, 3)}
+        limit = call_timeout(SPEC.check(owner), student.calibration)
+        return seed, {w: student.call(probe, w, seed, *args, helpers, timeout=limit)
+                      for w in (1, 2, 3)}
     return student.shared(key, run)

@@ -1,12 +1,13 @@
 """Assignment 4's probes: they run in the sandbox beside the student's code, call the student's
-functions here or start them on N fresh processes (what each process runs is in :mod:`.ranks`),
-and describe what came back (no judging here).
+functions here or start them on N fresh processes (what each process runs is in :mod:`.ranks`
+and :mod:`.ddp_ranks`), and describe what came back (no judging here).
 """
 from __future__ import annotations
 
 from autograder.checking.probes import describe, reference_helpers, student_function
 
-from .ranks import (rank_bucketed_ddp_cases, rank_sharded_linear, rank_sharded_optimizer,
+from .ddp_ranks import rank_bucketed_ddp_cases
+from .ranks import (rank_apply_fsdp, rank_sharded_linear, rank_sharded_optimizer,
                     run_ranks_keeping_results)
 from .spec import SPEC
 
@@ -71,3 +72,11 @@ def probe_bucketed_ddp(ns, world_size, seed, cases, steps, per_rank, lr, helper_
 def probe_sharded_linear(ns, world_size, seed, cases, helper_cells):
     return _run_class(ns, "ShardedLinear", rank_sharded_linear, world_size, helper_cells, seed,
                       cases)
+
+
+def probe_apply_fsdp(ns, worlds, seed, kinds, steps, per_rank, optimizer):
+    """{world size: the ranks' replies} of apply_fsdp run on each of ``worlds`` (CPU processes
+    on gloo; 1 rank runs here), for each kind of model."""
+    fn = _lookup(ns, "apply_fsdp")
+    return {w: run_ranks_keeping_results(rank_apply_fsdp, w, fn, seed, kinds, steps, per_rank,
+                                         optimizer, backend="gloo") for w in worlds}

@@ -1,5 +1,5 @@
 """What each process of Assignment 4's checks runs, and the models and data it shares with the
-grader.
+grader (BucketedDDP's ranks: :mod:`.ddp_ranks`).
 
 Trusted harness code: a probe in the sandbox starts these on N processes and they return plain
 data for the grader to judge. Every rank imports this module, so it imports nothing heavier
@@ -83,21 +83,53 @@ def collectives_sized(log: list | None = None):
 
 # ---------------------------------------------------------------------------- models and data
 
-#: (input features, output features) of each model a ShardedOptimizer check trains.
-SHAPES = {"mlp": (5, 2), "tiny": (1, 2)}
+#: (input features, output features) of each model a ShardedOptimizer or apply_fsdp check trains.
+SHAPES = {"mlp": (5, 2), "tiny": (1, 2), "even": (3, 3), "blocks": (3, 3), "sequential": (3, 3)}
+
+
+class WithBlocks(nn.Module):
+    """A model whose blocks are ``.blocks`` (an ``nn.ModuleList`` of residual tanh layers), with
+    other submodules around them (``embed``, ``head``) whose parameters belong to the root."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(3, 4)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        x = torch.tanh(self.embed(x))
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
 
 
 def seeded_model(kind: str, seed: int) -> nn.Module:
     """The float64 model of a case, the same on every rank and in the grader. ``mlp`` has 34
-    elements (not divisible by 3 or 4), ``tiny`` 4 (3 ranks leave rank 2 an empty shard); tanh,
-    not ReLU, so no gradient element is zero in one summation order and not in another."""
+    elements (not divisible by 3 or 4), ``tiny`` 4 (3 ranks leave rank 2 an empty shard),
+    ``even`` 12 (divisible by 1, 2 and 3: no padding, for the byte counts' cross-checks);
+    ``blocks`` and ``sequential`` are apply_fsdp's two shapes of model (odd first dimensions:
+    uneven Shard(0) chunks); tanh, not ReLU, so no gradient element is zero in one summation
+    order and not in another."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if kind == "mlp":
             return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2)).double()
         if kind == "tiny":
             return nn.Linear(1, 2).double()
+        if kind == "even":
+            return nn.Linear(3, 3).double()
+        if kind == "blocks":
+            return WithBlocks().double()
+        if kind == "sequential":
+            return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(),
+                                 nn.Linear(4, 3)).double()
         raise ValueError(kind)
+
+
+def fsdp_blocks(kind: str, model: nn.Module) -> list[nn.Module]:
+    """The blocks of one of apply_fsdp's models, by the grader's knowledge of its kind."""
+    return list(model.blocks) if kind == "blocks" else list(model.children())
 
 
 def make_data(kind: str, seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,81 +188,6 @@ def rank_sharded_optimizer(rank, world_size, cls, seed, cases, steps, per_rank):
                       if is_optimizer else None),
             "state_bytes": state_bytes(inner) if is_optimizer else None})
     return out
-
-
-# ---------------------------------------------------------------------------- BucketedDDP
-
-class Layers(nn.Module):
-    """Float64 tanh layers of width ``width`` (many small parameters: several buckets), and,
-    with ``unused``, a parameter between them that the loss never touches."""
-
-    def __init__(self, width: int, depth: int, unused: bool = False):
-        super().__init__()
-        self.first = nn.Linear(width, width)
-        self.unused = nn.Parameter(torch.ones(3)) if unused else None
-        self.rest = nn.ModuleList(nn.Linear(width, width) for _ in range(depth - 1))
-        self.register_buffer("scale", torch.ones(width))
-        self.double()
-
-    def forward(self, x):
-        x = torch.tanh(self.first(x)) * self.scale
-        for layer in self.rest:
-            x = torch.tanh(layer(x))
-        return x
-
-
-def ddp_model(seed: int, width: int, depth: int, unused: bool) -> Layers:
-    """The model of a BucketedDDP check, from ``seed`` (each rank passes its own: rank 0's is
-    the one broadcast). Its buffer differs per seed too, so that it needs the broadcast."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Layers(width, depth, unused)
-        with torch.no_grad():
-            model.scale.uniform_(0.5, 1.5)
-        return model
-
-
-def ddp_seed(seed: int, rank: int) -> int:
-    return seed + 7919 * rank
-
-
-def rank_bucketed_ddp(rank, world_size, cls, seed, shape, steps, per_rank, bucket_bytes, lr):
-    """The student's BucketedDDP around a model that differs per rank (until broadcast); each
-    step: forward and backward on this rank's share, ``finish_gradient_synchronization()``,
-    then the grader's plain SGD. Logs, in one list and in order, the collectives issued on the
-    default group from forward to the end of finish (``(op, in, out)``) and the moment the
-    gradient of managed parameter 0 is computed (``("grad of parameter 0",)``)."""
-    width, depth, unused = shape
-    model = ddp_model(ddp_seed(seed, rank), width, depth, unused)
-    managed = [p for p in model.parameters() if p.requires_grad]
-    X, y = (torch.randn(steps * per_rank * world_size, width, dtype=torch.float64,
-                        generator=torch.Generator().manual_seed(seed + i)) for i in (1, 2))
-    ddp = cls(model, bucket_bytes)
-    events: list = []
-    managed[0].register_hook(lambda grad: events.append(("grad of parameter 0",)))
-    out = []
-    for step in range(steps):
-        model.zero_grad(set_to_none=True)
-        rows = step_rows(step, per_rank, world_size, rank)
-        events.clear()
-        with collectives_sized(events), collectives_counted(ddp.finish_gradient_synchronization) \
-                as counted:
-            F.mse_loss(ddp(X[rows]), y[rows]).backward()
-            ddp.finish_gradient_synchronization()
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in managed]
-        out.append({"grads": describe(grads), "events": list(events), "counted": dict(counted)})
-        with torch.no_grad():
-            for p in managed:
-                if p.grad is not None:
-                    p -= lr * p.grad
-    return out
-
-
-def rank_bucketed_ddp_cases(rank, world_size, cls, seed, cases, steps, per_rank, lr):
-    """:func:`rank_bucketed_ddp` for each case ``(shape, bucket_bytes)``, seeds apart."""
-    return [rank_bucketed_ddp(rank, world_size, cls, seed + 101 * i, shape, steps, per_rank,
-                              bucket_bytes, lr)
-            for i, (shape, bucket_bytes) in enumerate(cases)]
 
 
 # ---------------------------------------------------------------------------- ShardedLinear
@@ -324,4 +281,51 @@ def rank_sharded_linear(rank, world_size, cls, seed, cases):
                         "sized": log, "saved": saved, "alive": alive})
     finally:
         torch.set_default_dtype(default)
+    return out
+
+
+# ---------------------------------------------------------------------------- apply_fsdp
+
+def rank_apply_fsdp(rank, world_size, fn, seed, kinds, steps, per_rank, optimizer):
+    """Each kind of model, built from the seed (float64), given with the grader's mesh
+    (``init_device_mesh("cpu", (world_size,))``) to the student's ``fn`` (apply_fsdp): what it
+    made of the model (is it and each block an FSDP module; each parameter's type, placements,
+    mesh and local shape), then ``steps`` steps of ``optimizer`` (name, kwargs) on this rank's
+    share of each batch (mean squared error), with the collectives of each forward logged on
+    the mesh's group; and the full parameters after them. FSDP is imported here, where it is
+    used: its first use costs seconds per process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from autograder.checking.collectives import traffic_on_groups
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = []
+    for i, kind in enumerate(kinds):
+        model = seeded_model(kind, seed + i)
+        blocks = fsdp_blocks(kind, model)
+        returned = fn(model, mesh)
+        made = [{"dtensor": isinstance(p, DTensor),
+                 "placements": [(type(x).__name__, getattr(x, "dim", None))
+                                for x in (p.placements if isinstance(p, DTensor) else ())],
+                 "on_mesh": bool(isinstance(p, DTensor) and p.device_mesh == mesh),
+                 "local_shape": list((p.to_local() if isinstance(p, DTensor) else p).shape)}
+                for p in model.parameters()]
+        X, y = make_data(kind, seed + i, steps * per_rank * world_size)
+        opt = getattr(torch.optim, optimizer[0])(model.parameters(), **optimizer[1])
+        forwards = []
+        for step in range(steps):
+            rows = step_rows(step, per_rank, world_size, rank)
+            opt.zero_grad(set_to_none=True)
+            with traffic_on_groups({"mesh": mesh.get_group()}) as traffic:
+                output = model(X[rows])
+            forwards.append(list(traffic["mesh"]))
+            F.mse_loss(output, y[rows]).backward()
+            opt.step()
+        full = [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()]
+        out.append({"returned_model": returned is model, "root_unit": isinstance(model, FSDPModule),
+                    "block_units": [isinstance(b, FSDPModule) for b in blocks],
+                    "params": made, "forwards": forwards,
+                    "full": describe([t.detach().clone() for t in full])})
     return out

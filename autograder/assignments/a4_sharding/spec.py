@@ -1,5 +1,8 @@
 """Assignment 4, memory and sharding: the contract with the grader.
 
+BucketedDDP's speed check needs 2 cores to itself (``cores_for_speed``) and SKIPs, with the
+reason, where even the reference cannot show its speedup (:mod:`.timing`).
+
 Per-call timeouts: several times what the reference takes on a busy 2-core machine (process
 start-up included), so that a hung call fails in a minute or two, not ten.
 """
@@ -15,6 +18,7 @@ SPEC = Spec(
         Function("comm_bytes_per_step", ("num_params", "world_size")),
         Function("ShardedOptimizer", ("params", "optimizer_cls"), helpers=("shard_bounds",)),
         Function("ShardedLinear", ("in_features", "out_features"), helpers=("shard_bounds",)),
+        Function("apply_fsdp", ("model", "mesh")),
     ),
     checks=(
         Check("assign_buckets_reverse_order_and_size_rule", "assign_buckets", 2),
@@ -25,6 +29,8 @@ SPEC = Spec(
         Check("bucketed_ddp_first_all_reduce_before_parameter_0_gradient", "BucketedDDP", 2,
               timeout=150),
         Check("bucketed_ddp_unused_parameter_counts_as_zeros", "BucketedDDP", 1, timeout=150),
+        Check("bucketed_ddp_step_time_against_the_reference", "BucketedDDP", 2, timeout=150,
+              speed=True),
         Check("shard_bounds_ceil_chunks_and_empty_shards", "shard_bounds", 2),
         Check("shard_bounds_rejects_invalid_arguments", "shard_bounds", 1),
         Check("model_state_bytes_every_stage_and_precision", "model_state_bytes", 2),
@@ -43,6 +49,17 @@ SPEC = Spec(
               timeout=150),
         Check("sharded_linear_keeps_no_full_weight_between_forward_and_backward",
               "ShardedLinear", 2, timeout=150),
+        # the byte counts against the classes' runs (after the classes: they reuse those runs)
+        Check("model_state_bytes_matches_the_optimizer_state_of_real_runs", "model_state_bytes",
+              1, timeout=150),
+        Check("comm_bytes_per_step_matches_the_traffic_of_real_runs", "comm_bytes_per_step", 1,
+              timeout=150),
+        Check("apply_fsdp_each_block_and_the_root_its_own_unit", "apply_fsdp", 2, timeout=150),
+        Check("apply_fsdp_parameters_are_dtensors_sharded_on_dim_0", "apply_fsdp", 1,
+              timeout=150),
+        Check("apply_fsdp_training_matches_one_process", "apply_fsdp", 2, timeout=150),
     ),
-    rank_modules=(),
+    cores_for_speed=2,  # BucketedDDP's step time: two processes, a core each
+    # apply_fsdp's ranks: FSDP2 and DTensor, whose first operation imports torch._dynamo
+    rank_modules=("torch.distributed.tensor", "torch.distributed.fsdp", "torch._dynamo"),
 )

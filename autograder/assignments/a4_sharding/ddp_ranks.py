@@ -1,0 +1,124 @@
+"""What each process of Assignment 4's BucketedDDP checks runs: its model (many small
+parameters, several buckets), the student's wrapper with the grader's SGD around it, and the
+collectives and the moment parameter 0's gradient is computed, logged in order; and, for the
+speed check, ranks that stay up (:func:`ddp_server`) with the student's wrapper (or the
+reference's) and a trusted baseline on the same model.
+
+Trusted harness code like :mod:`.ranks` (which it uses): imports nothing heavier than torch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from autograder.checking.collectives import collectives_counted
+from autograder.checking.probes import describe
+
+from .ranks import collectives_sized, step_rows
+
+
+class Layers(nn.Module):
+    """Float64 tanh layers of width ``width`` (many small parameters: several buckets), and,
+    with ``unused``, a parameter between them that the loss never touches."""
+
+    def __init__(self, width: int, depth: int, unused: bool = False):
+        super().__init__()
+        self.first = nn.Linear(width, width)
+        self.unused = nn.Parameter(torch.ones(3)) if unused else None
+        self.rest = nn.ModuleList(nn.Linear(width, width) for _ in range(depth - 1))
+        self.register_buffer("scale", torch.ones(width))
+        self.double()
+
+    def forward(self, x):
+        x = torch.tanh(self.first(x)) * self.scale
+        for layer in self.rest:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def ddp_model(seed: int, width: int, depth: int, unused: bool) -> Layers:
+    """The model of a BucketedDDP check, from ``seed`` (each rank passes its own: rank 0's is
+    the one broadcast). Its buffer differs per seed too, so that it needs the broadcast."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Layers(width, depth, unused)
+        with torch.no_grad():
+            model.scale.uniform_(0.5, 1.5)
+        return model
+
+
+def ddp_seed(seed: int, rank: int) -> int:
+    return seed + 7919 * rank
+
+
+def rank_bucketed_ddp(rank, world_size, cls, seed, shape, steps, per_rank, bucket_bytes, lr):
+    """The student's BucketedDDP around a model that differs per rank (until broadcast); each
+    step: forward and backward on this rank's share, ``finish_gradient_synchronization()``,
+    then the grader's plain SGD. Logs, in one list and in order, the collectives issued on the
+    default group from forward to the end of finish (``(op, in, out)``) and the moment the
+    gradient of managed parameter 0 is computed (``("grad of parameter 0",)``)."""
+    width, depth, unused = shape
+    model = ddp_model(ddp_seed(seed, rank), width, depth, unused)
+    managed = [p for p in model.parameters() if p.requires_grad]
+    X, y = (torch.randn(steps * per_rank * world_size, width, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(seed + i)) for i in (1, 2))
+    ddp = cls(model, bucket_bytes)
+    events: list = []
+    managed[0].register_hook(lambda grad: events.append(("grad of parameter 0",)))
+    out = []
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        rows = step_rows(step, per_rank, world_size, rank)
+        events.clear()
+        with collectives_sized(events), collectives_counted(ddp.finish_gradient_synchronization) \
+                as counted:
+            F.mse_loss(ddp(X[rows]), y[rows]).backward()
+            ddp.finish_gradient_synchronization()
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in managed]
+        out.append({"grads": describe(grads), "events": list(events), "counted": dict(counted)})
+        with torch.no_grad():
+            for p in managed:
+                if p.grad is not None:
+                    p -= lr * p.grad
+    return out
+
+
+def rank_bucketed_ddp_cases(rank, world_size, cls, seed, cases, steps, per_rank, lr):
+    """:func:`rank_bucketed_ddp` for each case ``(shape, bucket_bytes)``, seeds apart."""
+    return [rank_bucketed_ddp(rank, world_size, cls, seed + 101 * i, shape, steps, per_rank,
+                              bucket_bytes, lr)
+            for i, (shape, bucket_bytes) in enumerate(cases)]
+
+
+def ddp_server(rank, world_size, cls, seed, shape, per_rank, bucket_bytes):
+    """The ``setup`` of a :class:`~autograder.checking.ranks.RankServer`: commands ``step``
+    (one step's gradients with ``cls``: zero_grad, forward and backward on this rank's share of
+    a fixed batch, ``finish_gradient_synchronization()``) and ``per_parameter`` (the same
+    gradients with one blocking all-reduce per parameter after backward, on a model of its own:
+    the trusted baseline); ``result``: the managed parameters' gradients after the last
+    ``step``."""
+    width, depth, unused = shape
+    X, y = (torch.randn(per_rank * world_size, width, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(seed + i)) for i in (1, 2))
+    rows = step_rows(0, per_rank, world_size, rank)
+    model = ddp_model(ddp_seed(seed, rank), width, depth, unused)
+    ddp = cls(model, bucket_bytes)
+    baseline = ddp_model(ddp_seed(seed, 0), width, depth, unused)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(ddp(X[rows]), y[rows]).backward()
+        ddp.finish_gradient_synchronization()
+
+    def per_parameter():
+        baseline.zero_grad(set_to_none=True)
+        F.mse_loss(baseline(X[rows]), y[rows]).backward()
+        for p in baseline.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+
+    return {"step": step, "per_parameter": per_parameter,
+            "result": lambda: {"grads": describe([p.grad for p in model.parameters()
+                                                  if p.requires_grad])}}
