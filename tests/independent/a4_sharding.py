@@ -1,30 +1,36 @@
-'''Assignment 4 answered a second time, from the released notebook's text alone.
+'''Assignment 4 ("memory and sharding") answered again, from the released notebook alone.
 
-Written from ``assignments/a4_sharding/sharding.ipynb`` (its set-up cell imports ``functools``,
-``math``, ``torch``, ``dist``, ``F``, ``nn``), in other ways than the reference: the text's own
-``math.ceil``, ``ReduceOp.AVG``, the ``*_tensor`` collectives, a counter per bucket, and
-``fully_shard``'s return value as the returned model. Written by
-the author of the reference (no second engineer was at hand): a review from the text alone is
-still owed. Keys are the answer cells' grade ids.
+Written on 2026-11-23 by an independent helper session that read only
+``assignments/a4_sharding/sharding.ipynb`` (its markdown, set-up cell, stubs and docstrings),
+``tests/test_independent_solutions.py`` (for the format) and PyTorch's own documentation. It did
+not see the reference solution, the grader, the grader's tests or the instructor notes. Each
+answer follows the text sentence by sentence; when one loses points, either the text does not
+say what a check needs or the check asks for more than the text. Keys are the grade ids of the
+released answer cells; the set-up cell already imports functools, math, torch, dist, F and nn.
+Part 7 (``apply_fsdp``) was added to the assignment later; its answer here is a placeholder by
+the reference's author until the independent author answers it from the text.
 '''
 
 ANSWERS = {
     "assign_buckets": '''\
 def assign_buckets(param_numels, bucket_bytes, element_size=4):
     """Indices of the parameters in each gradient bucket, in the order backward fills them."""
-    if not bucket_bytes > 0:
-        raise ValueError("bucket_bytes must be positive")
-    buckets = []
-    for i in range(len(param_numels) - 1, -1, -1):
-        size = param_numels[i] * element_size
-        if buckets and buckets[-1][0] and buckets[-1][1] + size > bucket_bytes:
-            buckets.append(([], 0))
-        if not buckets:
-            buckets.append(([], 0))
-        indices, used = buckets[-1]
-        buckets[-1] = (indices + [i], used + size)
-    return [indices for indices, _ in buckets]
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    filled = []
+    open_bucket, open_bytes = [], 0
+    for index in range(len(param_numels) - 1, -1, -1):
+        size = param_numels[index] * element_size
+        if open_bucket and open_bytes + size > bucket_bytes:
+            filled.append(open_bucket)
+            open_bucket, open_bytes = [], 0
+        open_bucket.append(index)
+        open_bytes += size
+    if open_bucket:
+        filled.append(open_bucket)
+    return filled
 ''',
+
     "BucketedDDP": '''\
 class BucketedDDP(nn.Module):
     """Data parallelism whose gradient all-reduces start, bucket by bucket, during backward."""
@@ -32,184 +38,236 @@ class BucketedDDP(nn.Module):
     def __init__(self, module, bucket_bytes):
         super().__init__()
         self.module = module
-        self.plist = [p for p in module.parameters() if p.requires_grad]
-        size = self.plist[0].element_size() if self.plist else 4
-        self.bucket_list = assign_buckets([p.numel() for p in self.plist], bucket_bytes, size)
-        for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.detach(), src=0)
-        where = {}
-        for b, members in enumerate(self.bucket_list):
+        managed = [p for p in module.parameters() if p.requires_grad]
+        self._managed = managed
+        itemsize = managed[0].element_size() if managed else 4
+        self._groups = assign_buckets([p.numel() for p in managed], bucket_bytes, itemsize)
+        self._group_of = {}
+        for g, members in enumerate(self._groups):
             for i in members:
-                where[i] = b
-        for i, p in enumerate(self.plist):
-            p.register_post_accumulate_grad_hook(
-                lambda param, b=where[i]: self._one_more(b))
-        self.counts = [0] * len(self.bucket_list)
-        self.works = []
+                self._group_of[i] = g
+        with torch.no_grad():
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(tensor.data, src=0)
+        self._begin_round()
+        for i, p in enumerate(managed):
+            p.register_post_accumulate_grad_hook(functools.partial(self._grad_arrived, i))
 
-    def _one_more(self, b):
-        self.counts[b] += 1
-        while (len(self.works) < len(self.bucket_list)
-               and self.counts[len(self.works)] == len(self.bucket_list[len(self.works)])):
-            self._send(len(self.works))
+    def _begin_round(self):
+        self._arrived = set()
+        self._next_group = 0
+        self._in_flight = []          # (group index, flat buffer, work) in launch order
 
-    def _send(self, b):
-        parts = []
-        for i in self.bucket_list[b]:
-            p = self.plist[i]
-            parts.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                         if p.grad is None else p.grad.detach().flatten())
-        buf = torch.cat(parts)
-        self.works.append((buf, dist.all_reduce(buf, op=dist.ReduceOp.AVG, async_op=True)))
+    def _grad_arrived(self, index, param):
+        self._arrived.add(index)
+        # Launch, strictly in bucket order, every leading bucket that is now complete.
+        while (self._next_group < len(self._groups)
+               and all(i in self._arrived for i in self._groups[self._next_group])):
+            self._launch(self._next_group)
+
+    def _launch(self, g):
+        pieces = []
+        for i in self._groups[g]:
+            p = self._managed[i]
+            if p.grad is None:
+                pieces.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
+            else:
+                pieces.append(p.grad.detach().reshape(-1))
+        flat = torch.cat(pieces)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+        self._in_flight.append((g, flat, work))
+        self._next_group = g + 1
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def finish_gradient_synchronization(self):
-        for b in range(len(self.works), len(self.bucket_list)):
-            self._send(b)
-        for b, (buf, work) in enumerate(self.works):
+        while self._next_group < len(self._groups):
+            self._launch(self._next_group)
+        ranks = dist.get_world_size()
+        for g, flat, work in self._in_flight:
             work.wait()
-            pieces = torch.split(buf, [self.plist[i].numel() for i in self.bucket_list[b]])
-            for i, piece in zip(self.bucket_list[b], pieces):
-                self.plist[i].grad = piece.reshape(self.plist[i].shape).clone()
-        self.counts = [0] * len(self.bucket_list)
-        self.works = []
+            flat.div_(ranks)
+            at = 0
+            for i in self._groups[g]:
+                p = self._managed[i]
+                n = p.numel()
+                mean = flat[at:at + n].view_as(p)
+                at += n
+                if p.grad is None:
+                    p.grad = mean.clone()
+                else:
+                    p.grad.copy_(mean)
+        self._begin_round()
 ''',
+
     "shard_bounds": '''\
 def shard_bounds(numel, world_size, rank):
     """The slice start:end of a flat buffer of numel elements that rank owns."""
-    if world_size < 1 or rank < 0 or rank >= world_size:
-        raise ValueError(f"invalid world_size {world_size} or rank {rank}")
-    c = math.ceil(numel / world_size)
-    start = min(rank * c, numel)
-    end = min(start + c, numel)
-    return (start, end)
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+    chunk = -(-numel // world_size)
+    start = min(rank * chunk, numel)
+    end = min(start + chunk, numel)
+    return start, end
 ''',
+
     "model_state_bytes": '''\
 def model_state_bytes(num_params, world_size, *, stage, mixed_precision):
     """Per-rank bytes of parameters, gradients and Adam state under ZeRO stage `stage`."""
-    if world_size < 1 or stage not in range(4):
-        raise ValueError("world_size must be >= 1 and stage in 0-3")
-    sharded = math.ceil(num_params / world_size)
-    p, g, o = (2, 2, 12) if mixed_precision else (4, 4, 8)
-    total = 0
-    for bytes_each, sharded_from in ((o, 1), (g, 2), (p, 3)):
-        total += bytes_each * (sharded if stage >= sharded_from else num_params)
-    return total
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
+    param_b, grad_b, optim_b = (2, 2, 12) if mixed_precision else (4, 4, 8)
+    piece = -(-num_params // world_size)
+    params_held = piece if stage >= 3 else num_params
+    grads_held = piece if stage >= 2 else num_params
+    optim_held = piece if stage >= 1 else num_params
+    return params_held * param_b + grads_held * grad_b + optim_held * optim_b
 ''',
+
     "comm_bytes_per_step": '''\
 def comm_bytes_per_step(num_params, world_size, *, stage, element_size=4):
     """Bytes one rank sends per training step under ZeRO stage `stage` (ring collectives)."""
-    if world_size < 1 or stage not in range(4):
-        raise ValueError("world_size must be >= 1 and stage in 0-3")
-    k = {0: 2, 1: 2, 2: 2, 3: 3}[stage]
-    N = world_size
-    return (k * (N - 1) * num_params * element_size) // N
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
+    k = 3 if stage == 3 else 2
+    return (k * (world_size - 1) * num_params * element_size) // world_size
 ''',
+
     "ShardedOptimizer": '''\
 class ShardedOptimizer:
     """ZeRO stage 2: each rank keeps the optimizer state and the reduced gradient of its shard."""
 
     def __init__(self, params, optimizer_cls, **optimizer_kwargs):
-        self.params = list(params)
-        N, r = dist.get_world_size(), dist.get_rank()
-        P = sum(p.numel() for p in self.params)
-        self.c = math.ceil(P / N)
-        ref = self.params[0]
-        self.buffer = torch.zeros(N * self.c, dtype=ref.dtype, device=ref.device)
+        self._params = list(params)
+        self._ranks = dist.get_world_size()
+        me = dist.get_rank()
+        total = sum(p.numel() for p in self._params)
+        self._chunk = -(-total // self._ranks)
+        first = self._params[0] if self._params else torch.empty(0)
+        self._flat = torch.zeros(self._ranks * self._chunk, dtype=first.dtype, device=first.device)
+        self._offsets = []
         at = 0
-        for p in self.params:
-            self.buffer[at:at + p.numel()] = p.detach().flatten()
-            p.data = self.buffer[at:at + p.numel()].view(p.shape)
-            at += p.numel()
-        self.lo, self.hi = shard_bounds(P, N, r)
-        self.mine = torch.nn.Parameter(self.buffer[self.lo:self.hi].detach().clone())
-        self.optimizer = optimizer_cls([self.mine], **optimizer_kwargs)
+        with torch.no_grad():
+            for p in self._params:
+                n = p.numel()
+                self._flat[at:at + n].copy_(p.detach().reshape(-1))
+                p.data = self._flat[at:at + n].view_as(p)
+                self._offsets.append(at)
+                at += n
+        self._lo, self._hi = shard_bounds(total, self._ranks, me)
+        self._own = nn.Parameter(self._flat[self._lo:self._hi].clone())
+        self.optimizer = optimizer_cls([self._own], **optimizer_kwargs)
 
     def step(self):
-        grads = torch.cat([p.grad.detach().flatten() if p.grad is not None
-                           else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                           for p in self.params])
-        padded = torch.zeros_like(self.buffer)
-        padded[:grads.numel()] = grads
-        out = torch.zeros(self.c, dtype=self.buffer.dtype, device=self.buffer.device)
-        dist.reduce_scatter_tensor(out, padded)
-        out.div_(dist.get_world_size())
-        self.mine.grad = out[:self.hi - self.lo].clone()
+        grads = torch.zeros_like(self._flat)
+        for p, at in zip(self._params, self._offsets):
+            if p.grad is not None:
+                grads[at:at + p.numel()].copy_(p.grad.detach().reshape(-1))
+        mine = torch.empty(self._chunk, dtype=self._flat.dtype, device=self._flat.device)
+        dist.reduce_scatter_single(mine, grads, op=dist.ReduceOp.SUM)
+        mine.div_(self._ranks)
+        owned = self._hi - self._lo
+        self._own.grad = mine[:owned].clone()
         self.optimizer.step()
-        for p in self.params:
+        outgoing = torch.zeros(self._chunk, dtype=self._flat.dtype, device=self._flat.device)
+        outgoing[:owned].copy_(self._own.detach())
+        dist.all_gather_single(self._flat, outgoing)
+        for p in self._params:
             p.grad = None
-        self.mine.grad = None
-        piece = torch.zeros(self.c, dtype=self.buffer.dtype, device=self.buffer.device)
-        piece[:self.hi - self.lo] = self.mine.detach()
-        dist.all_gather_into_tensor(self.buffer, piece)
 ''',
+
     "ShardedLinear": '''\
+class _GatherComputeScatter(torch.autograd.Function):
+    """y = x W^T + b with (W, b) all-gathered from the shards in forward and again in backward."""
+
+    @staticmethod
+    def _full(piece, layout):
+        ranks, chunk, lo, hi, n_out, n_in, with_bias = layout
+        outgoing = torch.zeros(chunk, dtype=piece.dtype, device=piece.device)
+        outgoing[:hi - lo].copy_(piece.detach())
+        gathered = torch.empty(ranks * chunk, dtype=piece.dtype, device=piece.device)
+        dist.all_gather_single(gathered, outgoing)
+        weight = gathered[:n_out * n_in].view(n_out, n_in)
+        bias = gathered[n_out * n_in:n_out * n_in + n_out] if with_bias else None
+        return weight, bias
+
+    @staticmethod
+    def forward(ctx, x, piece, layout):
+        weight, bias = _GatherComputeScatter._full(piece, layout)
+        y = F.linear(x, weight, bias)
+        del weight, bias
+        ctx.layout = layout
+        ctx.save_for_backward(x, piece)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, piece = ctx.saved_tensors
+        layout = ctx.layout
+        ranks, chunk, lo, hi, n_out, n_in, with_bias = layout
+        weight, _ = _GatherComputeScatter._full(piece, layout)
+        grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
+        del weight
+        rows_y = grad_y.reshape(-1, n_out)
+        rows_x = x.reshape(-1, n_in)
+        dense = torch.zeros(ranks * chunk, dtype=piece.dtype, device=piece.device)
+        dense[:n_out * n_in].copy_((rows_y.t() @ rows_x).reshape(-1))
+        if with_bias:
+            dense[n_out * n_in:n_out * n_in + n_out].copy_(rows_y.sum(dim=0))
+        mine = torch.empty(chunk, dtype=piece.dtype, device=piece.device)
+        dist.reduce_scatter_single(mine, dense, op=dist.ReduceOp.SUM)
+        mine.div_(ranks)
+        return grad_x, mine[:hi - lo], None
+
+
 class ShardedLinear(nn.Module):
     """A linear layer whose values live sharded over the ranks; gathered only while used."""
 
     def __init__(self, in_features, out_features, bias=True):
         super().__init__()
-        ref = nn.Linear(in_features, out_features, bias)
-        self.dims = (out_features, in_features)
-        self.with_bias = bias
-        self.P = out_features * in_features + (out_features if bias else 0)
-        self.N = dist.get_world_size()
-        self.c = math.ceil(self.P / self.N)
-        self.lo, self.hi = shard_bounds(self.P, self.N, dist.get_rank())
-        vec = torch.cat([t.detach().flatten() for t in ref.parameters()])
-        self.piece = nn.Parameter(vec[self.lo:self.hi].clone())
+        self.in_features = in_features
+        self.out_features = out_features
+        self.has_bias = bool(bias)
+        ranks, me = dist.get_world_size(), dist.get_rank()
+        total = out_features * in_features + (out_features if self.has_bias else 0)
+        chunk = -(-total // ranks)
+        lo, hi = shard_bounds(total, ranks, me)
+        self._layout = (ranks, chunk, lo, hi, out_features, in_features, self.has_bias)
+        dense = nn.Linear(in_features, out_features, bias=self.has_bias)
+        with torch.no_grad():
+            parts = [dense.weight.reshape(-1)]
+            if self.has_bias:
+                parts.append(dense.bias.reshape(-1))
+            values = torch.cat(parts)
+            self.shard = nn.Parameter(values[lo:hi].clone())
+        del dense, values, parts
 
     def load_full(self, weight, bias=None):
-        vec = weight.detach().flatten()
-        if bias is not None:
-            vec = torch.cat([vec, bias.detach().flatten()])
+        n_out, n_in = self.out_features, self.in_features
+        if tuple(weight.shape) != (n_out, n_in):
+            raise ValueError(f"weight must have shape {(n_out, n_in)}, got {tuple(weight.shape)}")
+        if bias is not None and not self.has_bias:
+            raise ValueError("this layer has no bias")
+        if bias is not None and tuple(bias.shape) != (n_out,):
+            raise ValueError(f"bias must have shape {(n_out,)}, got {tuple(bias.shape)}")
+        lo, hi = self._layout[2], self._layout[3]
+        n_w = n_out * n_in
         with torch.no_grad():
-            self.piece.copy_(vec[self.lo:self.hi])
+            w_lo, w_hi = min(lo, n_w), min(hi, n_w)
+            self.shard[w_lo - lo:w_hi - lo].copy_(weight.detach().reshape(-1)[w_lo:w_hi])
+            if bias is not None:
+                b_lo, b_hi = max(lo, n_w), max(hi, n_w)
+                self.shard[b_lo - lo:b_hi - lo].copy_(bias.detach().reshape(-1)[b_lo - n_w:b_hi - n_w])
 
     def forward(self, x):
-        return _Stage3Linear.apply(x, self.piece, self)
-
-
-def _gather_full(layer):
-    send = torch.zeros(layer.c, dtype=layer.piece.dtype)
-    send[:layer.hi - layer.lo] = layer.piece.detach()
-    whole = torch.zeros(layer.c * layer.N, dtype=send.dtype)
-    dist.all_gather_into_tensor(whole, send)
-    o, i = layer.dims
-    w = whole[:o * i].reshape(o, i)
-    b = whole[o * i:layer.P] if layer.with_bias else None
-    return w, b
-
-
-class _Stage3Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, piece, layer):
-        w, b = _gather_full(layer)
-        y = x @ w.T
-        if b is not None:
-            y = y + b
-        ctx.save_for_backward(x)
-        ctx.layer = layer
-        return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        (x,) = ctx.saved_tensors
-        layer = ctx.layer
-        w, _ = _gather_full(layer)
-        gx = gy @ w
-        o, i = layer.dims
-        gw = gy.reshape(-1, o).T @ x.reshape(-1, i)
-        vec = gw.flatten()
-        if layer.with_bias:
-            vec = torch.cat([vec, gy.reshape(-1, o).sum(0)])
-        padded = torch.zeros(layer.c * layer.N, dtype=vec.dtype)
-        padded[:layer.P] = vec
-        mine = torch.zeros(layer.c, dtype=vec.dtype)
-        dist.reduce_scatter_tensor(mine, padded, op=dist.ReduceOp.AVG)
-        return gx, mine[:layer.hi - layer.lo], None
+        return _GatherComputeScatter.apply(x, self.shard, self._layout)
 ''',
     "apply_fsdp": '''\
 def apply_fsdp(model, mesh):
