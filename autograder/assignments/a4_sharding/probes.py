@@ -51,12 +51,12 @@ def probe_calls(ns, name: str, cases):
 def _run_class(ns, name, rank_fn, world_size, helper_cells, *args):
     """``rank_fn`` with the student's class ``name`` on ``world_size`` ranks, with the
     reference's versions of the graded functions it calls where the reference is at hand (so
-    that only ``name`` is graded)."""
+    that only ``name`` is graded). On gloo, GPUs or not: the checks' tensors are CPU float64."""
     cls = _lookup(ns, name)
     init = getattr(cls, "__init__", None)
     cells = helper_cells if hasattr(init, "__globals__") else None  # __init__ from the notebook
     with reference_helpers(init, cells, list(SPEC.function(name).helpers)):
-        return run_ranks_keeping_results(rank_fn, world_size, cls, *args)
+        return run_ranks_keeping_results(rank_fn, world_size, cls, *args, backend="gloo")
 
 
 def probe_sharded_optimizer(ns, world_size, seed, cases, steps, per_rank, helper_cells):

@@ -53,10 +53,12 @@ def student_object(ns, name: str):
 
 
 def _run(ns, name, world_size, helper_cells, body, *args):
+    """``body`` on ``world_size`` ranks, on gloo, GPUs or not: the checks' tensors and meshes
+    are CPU float64 (``init_device_mesh("cpu", ...)``), which NCCL cannot carry."""
     fn = student_object(ns, name)
     holder = types.SimpleNamespace(__globals__=ns)  # where the student's code looks names up
     with reference_helpers(holder, helper_cells, list(SPEC.function(name).helpers)):
-        return run_ranks(body, world_size, fn, *args)
+        return run_ranks(body, world_size, fn, *args, backend="gloo")
 
 
 def probe_ranks(ns, name, world_size, seed, helper_cells=None):
