@@ -22,7 +22,8 @@ from autograder.registry import ASSIGNMENTS  # noqa: E402
 def bugs_of(name: str) -> dict:
     short = name.split("_")[0]
     module = __import__(f"test_grader_{short}")
-    return module.BUGS
+    # A4 plants its bugs in the functions that run in the sandbox and in its classes apart
+    return getattr(module, "BUGS", None) or module.LEAF_BUGS
 
 
 def build(out: Path) -> list[tuple[str, str, str]]:

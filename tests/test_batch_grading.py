@@ -83,6 +83,8 @@ def test_job_sizes_come_from_the_specs_and_are_capped_at_the_machine():
     assert jobs.needs_of(A1, 2, 0) == jobs.Needs(1, 0)
     assert jobs.needs_of("a2_ddp", 2, 0) == jobs.Needs(2, 0)
     assert jobs.needs_of("a2_ddp", 1, 0) == jobs.Needs(1, 0)   # SKIPs, as when graded alone
+    # on NCCL where 2 GPUs are visible, as when graded alone on that machine
+    assert jobs.needs_of("a2_ddp", 16, 8) == jobs.Needs(2, 2)
     assert jobs.needs_of("a3_model_pipeline", 16, 8) == jobs.Needs(2, 2)
     assert jobs.needs_of(A1, 16, 1) == jobs.Needs(1, 1)
     assert jobs.needs_of(None, 16, 8) == jobs.Needs(1, 0)

@@ -1,7 +1,7 @@
 """Correct code never loses a point: every reference solution, graded under many seeds while a
 busy process runs on every core, gets full marks on every check each time. ``--seeds N`` sets
-how many (3 in the default suite, 2 minutes each on 2 cores; ``--seeds 50`` for a long run),
-the seeds at which a reference once lost points (:data:`ONCE_LOST`) among them.
+how many (5 in the default suite, about 2.5 minutes a seed for all five on 2 cores; ``--seeds 50``
+for a long run), the seeds at which a reference once lost points (:data:`ONCE_LOST`) among them.
 
 Speed checks are not run here (``--speed skip``): under a busy process per core they can only
 SKIP (the reference cannot show a speedup either). They are graded in full, on a quiet machine,
