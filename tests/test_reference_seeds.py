@@ -21,7 +21,7 @@ from autograder.registry import ASSIGNMENTS
 
 
 #: Seeds at which a reference once lost points (each a fixed grader bug): every run grades them
-#: first, then random seeds up to ``--seeds``.
+#: first, then random seeds up to ``--seeds`` in all.
 ONCE_LOST = {
     # train_ddp on 2 processes: one parameter strayed 1.42e-06 from float64, over 16x the
     # float32 reference's stray in that parameter alone; the tolerance now comes from the whole
@@ -30,24 +30,38 @@ ONCE_LOST = {
 }
 
 
+#: This run's random seeds are FIRST, FIRST + 1, ... (one draw per run, printed with each result).
+FIRST = secrets.randbits(30)
+
+
+def seed_for(assignment: str, index: int) -> int:
+    """The ``index``-th seed of ``assignment`` in this run: its :data:`ONCE_LOST` seeds first."""
+    known = ONCE_LOST.get(assignment, [])
+    return known[index] if index < len(known) else FIRST + index - len(known)
+
+
+def pytest_generate_tests(metafunc):
+    """One test per assignment and seed: each stays within pytest's per-test timeout however
+    many seeds ``--seeds`` asks for, and a seed that loses points leaves the others graded."""
+    if "seed_index" in metafunc.fixturenames:
+        metafunc.parametrize("seed_index", range(metafunc.config.getoption("--seeds")),
+                             ids=lambda i: f"seed{i}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("assignment", list(ASSIGNMENTS))
-def test_reference_gets_full_marks_under_load_for_every_seed(assignment, busy_cores, request,
+def test_reference_gets_full_marks_under_load_for_every_seed(assignment, seed_index, busy_cores,
                                                              offline_env):
     source = REPO / "solutions" / assignment / ASSIGNMENTS[assignment].notebook
-    first = secrets.randbits(30)
-    known = ONCE_LOST.get(assignment, [])
-    seeds = known + [first + i for i in range(request.config.getoption("--seeds") - len(known))]
+    seed = seed_for(assignment, seed_index)
     checks = load_spec(assignment).checks
-    for seed in seeds:
-        report = grade(source, "--seed", str(seed), "--speed", "skip", env=offline_env,
-                       timeout=900)
-        where = f"{assignment} with --seed {seed} (busy cores: {busy_cores})"
-        assert report.get("seed") == seed, where + report.get("stdout", "")[-2000:]
-        got = {r["name"]: r for r in report["results"]}
-        assert set(got) == {c.name for c in checks}, (where, sorted(got))
-        lost = {c.name: got[c.name]["status"] for c in checks
-                if got[c.name]["status"] != ("skipped" if c.speed else "passed")}
-        assert not lost, f"{where}: {lost}\n{report.get('stdout', '')[-3000:]}"
-        assert all(got[c.name]["message"] == SPEED_NOT_MEASURED for c in checks if c.speed)
-        print(f"{where}: {sum(not c.speed for c in checks)} checks passed")
+    report = grade(source, "--seed", str(seed), "--speed", "skip", env=offline_env, timeout=900)
+    where = f"{assignment} with --seed {seed} (busy cores: {busy_cores})"
+    assert report.get("seed") == seed, where + report.get("stdout", "")[-2000:]
+    got = {r["name"]: r for r in report["results"]}
+    assert set(got) == {c.name for c in checks}, (where, sorted(got))
+    lost = {c.name: got[c.name]["status"] for c in checks
+            if got[c.name]["status"] != ("skipped" if c.speed else "passed")}
+    assert not lost, f"{where}: {lost}\n{report.get('stdout', '')[-3000:]}"
+    assert all(got[c.name]["message"] == SPEED_NOT_MEASURED for c in checks if c.speed)
+    print(f"{where}: {sum(not c.speed for c in checks)} checks passed")
