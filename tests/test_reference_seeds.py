@@ -26,7 +26,10 @@ ONCE_LOST = {
     # train_ddp on 2 processes: one parameter strayed 1.42e-06 from float64, over 16x the
     # float32 reference's stray in that parameter alone; the tolerance now comes from the whole
     # run (expect.float32_tolerance_of_all)
-    "a2_ddp": [329504206],
+    # and at this one (found by the 50-seed run): the CNN's float32 run on whole batches
+    # strayed 3.6e-08 from float64, correct DDP on 2 processes 2.85e-06, over the bar of 16x
+    # the former; the bar now comes from the farther of both orders (expected.one_process_sgd)
+    "a2_ddp": [329504206, 204763899],
 }
 
 

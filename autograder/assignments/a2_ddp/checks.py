@@ -66,7 +66,7 @@ def _average_gradients_run(student):
         batches = [(X[s * AVG_BATCH:(s + 1) * AVG_BATCH], y[s * AVG_BATCH:(s + 1) * AVG_BATCH])
                    for s in range(AVG_STEPS)]
         model = WithUnusedParameter(seeded_model("mlp", seed, rank=0))
-        return ranks, seed, one_process_sgd(model, batches, AVG_LR)
+        return ranks, seed, one_process_sgd(model, batches, AVG_LR, AVG_WORLD)
     return student.shared("average_gradients", run)
 
 
