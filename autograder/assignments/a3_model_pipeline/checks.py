@@ -199,22 +199,21 @@ def test_pipelined_forward_clock_cycle_order(student):
 
 # ---------------------------------------------------------------------------- schedules
 
-def _schedules(student, name, pairs):
-    return schedules_of(student, name, cells_for(name), pairs)
+def _schedules(student, name, fixed, count, **kwargs):
+    """Run ``name`` on the ``fixed`` (stages, micro-batches) pairs and ``count`` random ones
+    (:func:`schedule_cases`): each valid schedule with the step of every op."""
+    g, _ = fresh_generator()
+    return schedules_of(student, name, cells_for(name), schedule_cases(g, fixed, count, **kwargs))
 
 
 @graded
 def test_gpipe_schedule_valid_and_shortest(student):
-    g, _ = fresh_generator()
-    _schedules(student, "gpipe_schedule",
-               schedule_cases(g, [(1, 1), (1, 4), (4, 1), (2, 3), (4, 8)], 3))
+    _schedules(student, "gpipe_schedule", [(1, 1), (1, 4), (4, 1), (2, 3), (4, 8)], 3)
 
 
 @graded
 def test_gpipe_schedule_all_forwards_first(student):
-    g, _ = fresh_generator()
-    for p, m, schedule, when in _schedules(student, "gpipe_schedule",
-                                          schedule_cases(g, [(3, 5), (4, 8)], 2)):
+    for p, m, schedule, when in _schedules(student, "gpipe_schedule", [(3, 5), (4, 8)], 2):
         for s in range(p):
             last_f = max(when[("F", i, s)] for i in range(m))
             first_b = min(when[("B", i, s)] for i in range(m))
@@ -228,16 +227,13 @@ def test_gpipe_schedule_all_forwards_first(student):
 
 @graded
 def test_one_f_one_b_schedule_valid_and_shortest(student):
-    g, _ = fresh_generator()
-    _schedules(student, "one_f_one_b_schedule",
-               schedule_cases(g, [(1, 1), (1, 4), (4, 1), (2, 3), (4, 8)], 3))
+    _schedules(student, "one_f_one_b_schedule", [(1, 1), (1, 4), (4, 1), (2, 3), (4, 8)], 3)
 
 
 @graded
 def test_one_f_one_b_schedule_holds_at_most_p_microbatches(student):
-    g, _ = fresh_generator()
-    pairs = schedule_cases(g, [(4, 8), (3, 10), (2, 2)], 2, more_microbatches=True)
-    for p, m, schedule, when in _schedules(student, "one_f_one_b_schedule", pairs):
+    for p, m, schedule, when in _schedules(student, "one_f_one_b_schedule",
+                                          [(4, 8), (3, 10), (2, 2)], 2, more_microbatches=True):
         for s, (peak, t) in enumerate(peak_activations(when, p, m, len(schedule))):
             assert peak <= p, (
                 f"one_f_one_b_schedule({p}, {m}): stage {s} holds the activations of {peak} "

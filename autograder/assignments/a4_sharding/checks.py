@@ -21,8 +21,8 @@ from autograder.checking.expect import assert_close, sequence, tensor
 from . import expected
 from .judging import judge_value_errors, judge_values, returned_values, seeded_rng, zero_sizes
 from .runs import (ALLOWED, FSDP_OPTIMIZER, FSDP_PER_RANK, FSDP_STEPS, OPT_PER_RANK, OPT_STEPS,
-                   ddp_each, fsdp_each, fsdp_where, judge_ddp_grads, linear_each, linear_where,
-                   optimizer_each, optimizer_where, shard_param)
+                   assert_holds_its_shard, ddp_each, fsdp_each, fsdp_where, judge_ddp_grads,
+                   linear_each, optimizer_each, optimizer_where, shard_param)
 from .spec import SPEC
 from .timing import judge_step_time
 from .traffic import FP32_ELEMENT, RUN_ELEMENT, state_saved_by_sharding, traffic_of_runs
@@ -148,10 +148,8 @@ def test_sharded_optimizer_state_bytes_per_rank(student):
         assert r["is_optimizer"] is True, \
             f"{where}: .optimizer should be a torch.optim.{name}, got {r['optimizer']}"
         numel = sum(p.numel() for p in expected.seeded_model(kind, 0).parameters())
-        start, end = expected.shard(numel, world, rank)
-        assert r["owned"] == end - start, (
-            f"{where}: .optimizer holds {r['owned']} element(s); rank {rank} owns "
-            f"shard_bounds({numel}, {world}, {rank}) = ({start}, {end})")
+        start, end = assert_holds_its_shard(r["owned"], numel, world, rank, where,
+                                            ".optimizer holds")
         want = (end - start) * expected.optimizer_state_per_element(name, kwargs) * 8
         assert r["state_bytes"] == want, (
             f"{where}: .optimizer's state tensors hold {r['state_bytes']} bytes, expected {want} "
@@ -160,9 +158,8 @@ def test_sharded_optimizer_state_bytes_per_rank(student):
 
 @graded
 def test_sharded_optimizer_one_reduce_scatter_one_all_gather_per_step(student):
-    for seed, world, rank, i, case, r in optimizer_each(student):
-        if world < 2:
-            continue  # counts are graded on 2 or more ranks only
+    # counts are graded on 2 or more ranks only
+    for seed, world, rank, i, case, r in optimizer_each(student, min_world=2):
         kind, name, kwargs = case
         where = optimizer_where(world, rank, case)
         numel = sum(p.numel() for p in expected.seeded_model(kind, 0).parameters())
@@ -235,8 +232,7 @@ def test_bucketed_ddp_step_time_against_the_reference(student):
 
 @graded
 def test_sharded_linear_outputs_and_gradients_match_dense(student):
-    for seed, world, rank, case, r, want in linear_each(student):
-        where = linear_where(world, rank, case)
+    for seed, world, rank, case, r, want, where in linear_each(student):
         close = dict(rtol=1e-10, atol=1e-12, seed=seed)
         assert_close(tensor(r["output"], f"{where}: the output")["value"], want["outputs"][rank],
                      f"{where}: the output (vs nn.Linear with the same full values)", **close)
@@ -252,13 +248,10 @@ def test_sharded_linear_outputs_and_gradients_match_dense(student):
 
 @graded
 def test_sharded_linear_stores_its_shard_initialised_like_nn_linear(student):
-    for seed, world, rank, case, r, want in linear_each(student):
-        where = linear_where(world, rank, case)
-        start, end = want["bounds"][rank]
+    for seed, world, rank, case, r, want, where in linear_each(student):
         initial = shard_param(r, where, "initial")
-        assert initial.numel() == end - start, (
-            f"{where}: the layer stores {initial.numel()} element(s); its shard is "
-            f"shard_bounds({want['numel']}, {world}, {rank}) = ({start}, {end})")
+        assert_holds_its_shard(initial.numel(), want["numel"], world, rank, where,
+                               "the layer stores")
         assert torch.equal(initial.reshape(-1), want["initial"][rank]), (
             f"{where}: the initial shard differs from the slice of nn.Linear({case[0]}, "
             f"{case[1]}, bias={case[2]}) under the same random state (seed {seed})")
@@ -266,10 +259,8 @@ def test_sharded_linear_stores_its_shard_initialised_like_nn_linear(student):
 
 @graded
 def test_sharded_linear_two_all_gathers_one_reduce_scatter(student):
-    for seed, world, rank, case, r, want in linear_each(student):
-        if world < 2:
-            continue  # counts are graded on 2 or more ranks only
-        where = linear_where(world, rank, case)
+    # counts are graded on 2 or more ranks only
+    for seed, world, rank, case, r, want, where in linear_each(student, min_world=2):
         padded = world * -(-want["numel"] // world)
         ops = sorted((op, i if op == "REDUCE_SCATTER" else o) for op, i, o in r["sized"])
         expect = [("ALLGATHER", padded), ("ALLGATHER", padded), ("REDUCE_SCATTER", padded)]
@@ -280,10 +271,8 @@ def test_sharded_linear_two_all_gathers_one_reduce_scatter(student):
 
 @graded
 def test_sharded_linear_keeps_no_full_weight_between_forward_and_backward(student):
-    for seed, world, rank, case, r, want in linear_each(student):
-        if world < 2:
-            continue  # one rank's shard is the whole layer
-        where = linear_where(world, rank, case)
+    # on one rank the shard is the whole layer
+    for seed, world, rank, case, r, want, where in linear_each(student, min_world=2):
         limit = want["weight_numel"]
         saved = [n for n in r["saved"] if n >= limit]
         assert not saved, (f"{where}: forward saved for backward a tensor of {max(saved)} "

@@ -212,7 +212,9 @@ def _alive_storages() -> dict[int, int]:
     gc.collect()
     found = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.dtype == torch.float64:
+        # the type, not isinstance: that reads obj.__class__, and deprecated objects in torch's
+        # modules (torch.distributed.reduce_op) warn on every attribute read
+        if issubclass(type(obj), torch.Tensor) and obj.dtype == torch.float64:
             try:
                 storage = obj.untyped_storage()
             except Exception:  # noqa: BLE001 - tensors without storage (meta, sparse)
@@ -244,13 +246,16 @@ def rank_sharded_linear(rank, world_size, cls, seed, cases):
     """Each case ``(in, out, bias, batch, input needs grad)``: the student's layer built under
     ``torch.manual_seed`` (float64 default dtype) and its initial parameters; then the case's
     full values loaded; forward on this rank's input with the saved tensors' sizes recorded and
-    the largest tensor alive after it; backward of ``(out * grad).sum()``; collectives logged."""
+    the largest tensor alive after it (on 2 or more ranks: on one, the shard is the whole layer
+    and nothing is graded; measuring would cost seconds); backward of ``(out * grad).sum()``;
+    collectives logged."""
     out = []
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
         for i, (in_f, out_f, bias, batch, needs_grad) in enumerate(cases):
-            before = set(_alive_storages())  # earlier cases' results: not this layer's
+            # earlier cases' results: not this layer's
+            before = set(_alive_storages()) if world_size > 1 else set()
             torch.manual_seed(seed + i)
             layer = cls(in_f, out_f, bias)
             initial = [p.detach().clone() for p in layer.parameters()]
@@ -271,7 +276,7 @@ def rank_sharded_linear(rank, world_size, cls, seed, cases):
                 mine = {p.untyped_storage().data_ptr() for p in layer.parameters()}
                 alive = _largest_alive_settled(
                     before | mine | {t.untyped_storage().data_ptr() for t in (x, y, grad_out)},
-                    below=in_f * out_f)
+                    below=in_f * out_f) if world_size > 1 else None
                 (y * grad_out).sum().backward()
             params = list(layer.parameters())
             out.append({"initial": describe(initial), "output": describe(y.detach()),

@@ -36,10 +36,13 @@ def optimizer_runs(student) -> tuple[int, dict]:
                                OPT_PER_RANK)
 
 
-def optimizer_each(student):
-    """(world size, rank, case index, case, reply) of every rank of every run."""
+def optimizer_each(student, min_world: int = 1):
+    """(world size, rank, case index, case, reply) of every rank of every run on ``min_world``
+    or more ranks."""
     seed, runs = optimizer_runs(student)
     for world, ranks in runs.items():
+        if world < min_world:
+            continue
         assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
         for rank, replies in enumerate(ranks):
             assert isinstance(replies, list) and len(replies) == len(OPT_CASES), \
@@ -109,19 +112,33 @@ def judge_ddp_grads(student, cases):
 LINEAR_CASES = [(7, 5, True, 3, True), (6, 4, False, 2, False), (5, 3, True, 2, True)]
 
 
-def linear_each(student):
-    """(seed, world, rank, case, reply, what every rank must see) of every rank and case."""
+def linear_each(student, min_world: int = 1):
+    """(seed, world, rank, case, reply, what every rank must see, where: for messages) of every
+    rank and case of the runs on ``min_world`` or more ranks."""
     seed, runs = runs_per_world_size(student, "linear",
                                      "sharded_linear_outputs_and_gradients_match_dense",
                                      probe_sharded_linear, "shard_bounds", LINEAR_CASES)
     for world, ranks in runs.items():
+        if world < min_world:
+            continue
         assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
         for i, case in enumerate(LINEAR_CASES):
             want = expected.linear_case(seed + i, case, world)
             for rank, replies in enumerate(ranks):
                 assert isinstance(replies, list) and len(replies) == len(LINEAR_CASES), \
                     "the probe's reply was tampered with"
-                yield seed, world, rank, case, replies[i], want
+                yield seed, world, rank, case, replies[i], want, linear_where(world, rank, case)
+
+
+def assert_holds_its_shard(count: int, numel: int, world: int, rank: int, where: str,
+                           holder: str) -> tuple[int, int]:
+    """Assert that ``holder`` (".optimizer holds", "the layer stores") has exactly rank
+    ``rank``'s share of ``numel`` elements over ``world`` ranks; return that share's bounds."""
+    start, end = expected.shard(numel, world, rank)
+    assert count == end - start, (
+        f"{where}: {holder} {count} element(s); rank {rank} owns "
+        f"shard_bounds({numel}, {world}, {rank}) = ({start}, {end})")
+    return start, end
 
 
 def shard_param(reply, where: str, key: str):

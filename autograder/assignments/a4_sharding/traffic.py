@@ -64,7 +64,7 @@ def traffic_of_runs(student) -> tuple[int | None, dict]:
             for log in r["sized"]]
     logs += [(seed, world, want["numel"], 3, r["sized"],
               "one forward and backward of your ShardedLinear")
-             for seed, world, rank, case, r, want in _replies(lambda: linear_each(student))]
+             for seed, world, rank, case, r, want, _ in _replies(lambda: linear_each(student))]
     for seed, world, numel, stage, log, what in logs:
         got = sorted((op, inp if op == "REDUCE_SCATTER" else out) for op, inp, out in log)
         if (numel, world, stage) in sent and got == sorted(

@@ -90,6 +90,24 @@ def _raises_value_error(make) -> str:
 
 # ---------------------------------------------------------------------------- the two layers
 
+def _run_layer(layer, x, upstream) -> dict:
+    """Forward ``x``; backward ``upstream`` (dL/d output) where the output's shape allows;
+    what the grader compares: the parameters, the output and the gradients."""
+    y = layer(x)
+    if y.shape == upstream.shape:
+        (y * upstream).sum().backward()
+    return {"params": _params(layer), "output": describe(y),
+            "grads": _grads(x, getattr(layer, "weight", None), getattr(layer, "bias", None))}
+
+
+def _shapes_and_errors(make, make_indivisible, n: int) -> dict:
+    """The parameter shapes of ``make(bias)`` with and without bias, and what constructing a
+    layer whose split dimension ``n`` does not divide raises (asked only when n > 1)."""
+    return {"shapes": {bias: {k: tuple(p.shape) for k, p in make(bias).named_parameters()}
+                       for bias in (True, False)},
+            "indivisible": _raises_value_error(make_indivisible) if n > 1 else "not asked"}
+
+
 def rank_column(rank, world_size, cls, seed):
     out = []
     for label, group, n, _ in groups_of(rank, world_size):
@@ -100,19 +118,11 @@ def rank_column(rank, world_size, cls, seed):
         for gather in (False, True):
             layer = cls.from_linear(linear, group, gather_output=gather)
             x = randn(seed + 2, *LEADING, IN).requires_grad_()
-            y = layer(x)
             c = HIDDEN // n
             g = upstream if gather else upstream[..., r * c:(r + 1) * c]
-            if y.shape == g.shape:
-                (y * g).sum().backward()
-            case["runs"][gather] = {"params": _params(layer), "output": describe(y),
-                                    "grads": _grads(x, getattr(layer, "weight", None),
-                                                    getattr(layer, "bias", None))}
-        case["shapes"] = {bias: {k: tuple(p.shape) for k, p in
-                                 cls(IN, HIDDEN, bias=bias, group=group).named_parameters()}
-                          for bias in (True, False)}
-        case["indivisible"] = _raises_value_error(lambda: cls(IN, 2 * n + 1, group=group)) \
-            if n > 1 else "not asked"
+            case["runs"][gather] = _run_layer(layer, x, g)
+        case.update(_shapes_and_errors(lambda bias: cls(IN, HIDDEN, bias=bias, group=group),
+                                       lambda: cls(IN, 2 * n + 1, group=group), n))
         out.append(case)
     return out
 
@@ -128,17 +138,9 @@ def rank_row(rank, world_size, cls, seed):
             layer = cls.from_linear(linear, group, input_is_parallel=parallel)
             full = randn(seed + 2, *LEADING, HIDDEN)
             x = (full[..., r * c:(r + 1) * c] if parallel else full).clone().requires_grad_()
-            y = layer(x)
-            if y.shape == upstream.shape:
-                (y * upstream).sum().backward()
-            case["runs"][parallel] = {"params": _params(layer), "output": describe(y),
-                                      "grads": _grads(x, getattr(layer, "weight", None),
-                                                      getattr(layer, "bias", None))}
-        case["shapes"] = {bias: {k: tuple(p.shape) for k, p in
-                                 cls(HIDDEN, OUT, bias=bias, group=group).named_parameters()}
-                          for bias in (True, False)}
-        case["indivisible"] = _raises_value_error(lambda: cls(2 * n + 1, OUT, group=group)) \
-            if n > 1 else "not asked"
+            case["runs"][parallel] = _run_layer(layer, x, upstream)
+        case.update(_shapes_and_errors(lambda bias: cls(HIDDEN, OUT, bias=bias, group=group),
+                                       lambda: cls(2 * n + 1, OUT, group=group), n))
         out.append(case)
     return out
 
