@@ -9,6 +9,7 @@ import inspect
 
 import torch
 
+from . import as_loaded
 from .reference import reference_namespace
 
 
@@ -42,9 +43,11 @@ def reference_helpers(fn, cells: list[tuple[str, str]] | None, names: list[str])
     reference = reference_namespace(cells)
     g = fn.__globals__
     saved = {n: g[n] for n in names if n in g}
-    g.update({n: reference[n] for n in names if n in reference})
+    swapped = {n: reference[n] for n in names if n in reference}
+    g.update(swapped)
     try:
-        yield
+        with as_loaded.override(swapped):  # and in the ranks' copy of the namespace
+            yield
     finally:
         for n in names:
             g.pop(n, None)

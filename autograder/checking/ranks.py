@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import as_loaded
+
 #: Seconds a collective (or a receive) may wait before its process group gives up: a ring
 #: whose ranks wait for each other fails after this, with a message, instead of hanging.
 COLLECTIVE_TIMEOUT = 20.0
@@ -37,15 +39,19 @@ def run_ranks(fn, world_size: int, *args, backend: str | None = None,
     """``fn(rank, world_size, *args)`` on ``world_size`` ranks; returns their results in rank
     order, or raises RuntimeError with a readable message.
 
-    With ``in_process``, one rank runs here, in a process group of one (no process start: the
-    same behaviour for the code under test, seconds sooner)."""
+    The ranks start from the student's namespace as the cells left it, not as earlier checks
+    did (:mod:`.as_loaded`), as the notebook's ``launch`` starts fresh processes. With
+    ``in_process``, one rank runs here, in a process group of one (no process start: the same
+    behaviour for the code under test, seconds sooner), unless the namespace has changed since
+    it was loaded: then that rank, too, is a fresh process."""
     from course.launch import LaunchError, launch
 
-    if world_size == 1 and in_process:
+    if world_size == 1 and in_process and not as_loaded.changed_since_load():
         return [_in_this_process(fn, args, backend, collective_timeout)]
+    payload = as_loaded.dumps((fn, args))
     with tempfile.TemporaryDirectory(prefix="rank-errors-") as errors:
         try:
-            return launch(_noting_failure, world_size, errors, fn, *args, backend=backend,
+            return launch(_noting_failure, world_size, errors, payload, backend=backend,
                           timeout=timeout, quiet=True, collective_timeout=collective_timeout)
         except LaunchError as exc:
             raise RuntimeError(_first_failure(Path(errors), str(exc), world_size)) from None
@@ -75,10 +81,12 @@ def _in_this_process(fn, args, backend, collective_timeout):
         torch.set_num_threads(threads)
 
 
-def _noting_failure(rank, world_size, errors, fn, *args):
-    """Run ``fn`` on a rank; if it raises, note when and why in ``errors`` (a folder), so that
-    the first failure is reported, not a neighbour's broken connection that followed it."""
+def _noting_failure(rank, world_size, errors, payload):
+    """Run the function in ``payload`` (:func:`.as_loaded.dumps` of ``(fn, args)``) on a rank;
+    if it raises, note when and why in ``errors`` (a folder), so that the first failure is
+    reported, not a neighbour's broken connection that followed it."""
     try:
+        fn, args = as_loaded.loads(payload)
         return fn(rank, world_size, *args)
     except BaseException as exc:
         Path(errors, f"{time.time():.6f}-{rank}").write_text("".join(

@@ -27,7 +27,7 @@ def reference_namespace(cells: list[tuple[str, str]]) -> dict:
     ns: dict = {"__name__": "__reference__"}
     with contextlib.redirect_stdout(io.StringIO()):
         for cell_id, source in cells:
-            exec(compile(source, f"<reference {cell_id}>", "exec"), ns)
+            exec(compile(source, f"<reference {cell_id}>", "exec", dont_inherit=True), ns)
     return ns
 
 

@@ -95,11 +95,26 @@ def _format_exception(exc: BaseException, filename_prefix: str = "<cell ") -> st
 
 
 def _load(msg) -> dict:
-    """Execute the cells one by one; a failing cell is recorded and the rest still run."""
-    ns: dict = {"__name__": "__student__", "__builtins__": __builtins__}
-    # "__student__" is deliberately not in sys.modules: cloudpickle then serialises student
-    # functions by value, so course.launch can run them in fresh processes.
-    ns["get_ipython"] = lambda: _NoShell()
+    """Execute the cells one by one, as Jupyter runs them; a failing cell is recorded and the
+    rest still run.
+
+    As in a kernel, the cells run in the ``__dict__`` of a module named ``__main__`` that
+    ``sys.modules`` holds (IPython does the same with its user namespace): dataclasses,
+    ``typing.get_type_hints``, enums and ``pickle`` look classes up there. Each cell compiles
+    with its own ``__future__`` imports only (not this file's), and its source is in
+    ``linecache`` under its name, so ``inspect.getsource`` and tracebacks show its lines.
+    cloudpickle sends ``__main__``'s functions and classes to ranks by value, as it does from a
+    notebook. What the namespace holds once loaded is recorded: every multi-process run starts
+    from that state (:mod:`autograder.checking.as_loaded`).
+    """
+    import builtins
+    import linecache
+    import types
+
+    module = types.ModuleType("__main__")
+    sys.modules["__main__"] = module  # this worker's own code keeps its globals
+    ns = module.__dict__
+    ns.update(__builtins__=builtins, get_ipython=lambda: _NoShell())
     errors: dict[str, str] = {}
     if msg.get("objects"):
         import cloudpickle
@@ -109,8 +124,10 @@ def _load(msg) -> dict:
         except BaseException as exc:  # noqa: BLE001 - report anything, including SystemExit
             errors["<kernel objects>"] = _format_exception(exc)
     for cell_id, source in msg.get("cells", []):
+        filename = f"<cell {cell_id}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         try:
-            code = compile(source, f"<cell {cell_id}>", "exec")
+            code = compile(source, filename, "exec", dont_inherit=True)
         except SyntaxError as exc:
             errors[cell_id] = f"SyntaxError: {exc.msg} (line {exc.lineno})"
             continue
@@ -120,6 +137,9 @@ def _load(msg) -> dict:
             errors[cell_id] = f"the cell called exit({exc.code!r}); the rest of it was skipped"
         except BaseException as exc:  # noqa: BLE001
             errors[cell_id] = _format_exception(exc)
+    from autograder.checking import as_loaded
+
+    as_loaded.record(ns)
     return ns, errors
 
 

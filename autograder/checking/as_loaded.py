@@ -1,0 +1,170 @@
+"""The student's namespace *as loaded*: what every multi-process run starts from.
+
+The notebook promises that ``launch`` runs a function on fresh processes. In the grader the
+same namespace serves many checks, one after the other, and student code may change it while a
+check runs: Megatron's ``parallel_state`` and picotron's group manager keep the process groups
+they create in module-level globals, a class attribute can cache a group, a dict can collect
+handles. Pickled into the next check's ranks as they are *then*, those globals would carry a
+``ProcessGroup`` (which cannot be pickled) or a group destroyed with the last run.
+
+So the worker records the namespace right after the cells ran (:func:`record`): the objects
+themselves, and one cloudpickle of all of them (one pickle, so that the functions in it share
+one globals dictionary again, as in the notebook). A run then sends its function and arguments
+with every object that was in the namespace at load time replaced by a reference into that
+snapshot (:func:`dumps`), and each rank rebuilds the snapshot and resolves the references
+(:func:`loads`): the ranks see the cells' state as loaded, whatever earlier checks left behind.
+
+While :func:`autograder.checking.probes.reference_helpers` puts the reference's versions of some
+functions in place, those go along (:func:`override`) and are put into the snapshot's globals.
+
+Runs on one rank in the grader's own process (no process start) use the live objects; they do
+so only while :func:`changed_since_load` says nothing a run could see has changed.
+
+Runs in the sandbox and in ranks, beside student code: never imports pytest.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import types
+
+#: Types whose values are the same whichever copy a run gets: never replaced by a reference.
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, types.ModuleType)
+
+_live: dict | None = None                  # the namespace the checks use
+_loaded: dict[str, object] | None = None   # name -> the object as loaded
+_snapshot: bytes | None = None             # cloudpickle of those objects (picklable ones)
+_shallow: dict[str, object] = {}           # name -> a shallow copy of its contents, to compare
+_overrides: dict[str, object] = {}         # name -> the reference's object, while in place
+
+
+def _student_names(ns: dict) -> dict[str, object]:
+    return {n: v for n, v in ns.items()
+            if not (n.startswith("__") and n.endswith("__")) and n != "get_ipython"}
+
+
+def _contents(value):
+    """What a later change inside ``value`` would alter: its attributes or items, shallowly."""
+    if isinstance(value, type):
+        return dict(vars(value))
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, (list, set)):
+        return list(value)
+    if hasattr(value, "__dict__") and not isinstance(value, (types.FunctionType, types.ModuleType)):
+        try:
+            return dict(vars(value))
+        except TypeError:
+            return None
+    return None
+
+
+def record(ns: dict) -> list[str]:
+    """Remember ``ns`` as it is now (right after loading). Returns the names that could not be
+    pickled: runs that need them fail as they would have before, with pickle's message."""
+    global _live, _loaded, _snapshot
+    import cloudpickle
+
+    _live = ns
+    objects = _student_names(ns)
+    left_out: list[str] = []
+    try:
+        _snapshot = cloudpickle.dumps(objects)
+    except Exception:  # noqa: BLE001 - find the culprits, keep the rest
+        for name, value in list(objects.items()):
+            try:
+                cloudpickle.dumps(value)
+            except Exception:  # noqa: BLE001
+                left_out.append(name)
+                del objects[name]
+        try:
+            _snapshot = cloudpickle.dumps(objects)
+        except Exception:  # noqa: BLE001 - only together unpicklable: runs use live objects
+            _snapshot, objects = None, {}
+    _loaded = objects
+    _shallow.clear()
+    _shallow.update({n: c for n, v in objects.items() if (c := _contents(v)) is not None})
+    return left_out
+
+
+@contextlib.contextmanager
+def override(objects: dict[str, object]):
+    """While inside, runs put ``objects`` (the reference's helpers) into the snapshot's globals."""
+    saved = dict(_overrides)
+    _overrides.update(objects)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+def changed_since_load() -> bool:
+    """Whether a run from the live namespace could see something other than the cells' state
+    as loaded: a name bound, rebound or deleted, or the attributes or items of a loaded object
+    changed (one level deep). The reference's helpers put in place on purpose do not count."""
+    if _loaded is None or _live is None:
+        return False
+    live = {n: v for n, v in _student_names(_live).items() if n not in _overrides}
+    if set(live) != set(_loaded) - set(_overrides):
+        return True
+    if any(live[n] is not v for n, v in _loaded.items() if n not in _overrides):
+        return True
+    for name, before in _shallow.items():
+        after = _contents(_loaded[name])
+        if after is None or (isinstance(before, dict) != isinstance(after, dict)):
+            return True
+        if isinstance(before, dict):
+            if before.keys() != after.keys() or any(after[k] is not v for k, v in before.items()):
+                return True
+        elif len(before) != len(after) or any(a is not b for a, b in zip(after, before)):
+            return True
+    return False
+
+
+def dumps(obj) -> bytes:
+    """``obj`` pickled for a run: objects of the namespace as loaded travel as references
+    into the snapshot (which goes along), everything else by value."""
+    import cloudpickle
+
+    by_id = {id(v): n for n, v in (_loaded or {}).items() if not isinstance(v, _ATOMS)}
+
+    class _Pickler(cloudpickle.Pickler):
+        def persistent_id(self, value):
+            name = by_id.get(id(value))
+            return name if name is not None and _loaded[name] is value else None
+
+    buf = io.BytesIO()
+    _Pickler(buf).dump(obj)
+    overrides = cloudpickle.dumps(dict(_overrides)) if _overrides else None
+    return pickle.dumps((_snapshot, overrides, buf.getvalue()))
+
+
+def loads(data: bytes):
+    """In a rank: the object :func:`dumps` sent, its references resolved into a fresh copy of
+    the namespace as loaded (with the reference's helpers in place, if any were)."""
+    snapshot, overrides, payload = pickle.loads(data)
+    objects = pickle.loads(snapshot) if snapshot is not None else {}
+    if overrides is not None:
+        reference = pickle.loads(overrides)
+        for g in {id(f.__globals__): f.__globals__ for f in _functions(objects.values())}.values():
+            g.update(reference)
+
+    class _Unpickler(pickle.Unpickler):
+        def persistent_load(self, name):
+            return objects[name]
+
+    return _Unpickler(io.BytesIO(payload)).load()
+
+
+def _functions(values):
+    """The functions among ``values`` and the methods of the classes among them."""
+    for v in values:
+        if isinstance(v, types.FunctionType):
+            yield v
+        elif isinstance(v, type):
+            for attr in vars(v).values():
+                attr = getattr(attr, "__func__", attr)  # staticmethod / classmethod
+                if isinstance(attr, types.FunctionType):
+                    yield attr
