@@ -123,12 +123,15 @@ def world_sum(rank, world_size, value):
 def test_ranks_start_from_the_namespace_as_loaded():
     """A group cached by one run (in this process or in ranks) never reaches the next run: each
     starts from the state the cells left, as ``launch`` in the notebook starts fresh processes."""
+    import torch
+
     from autograder.checking import as_loaded
     from autograder.checking.ranks import run_ranks
 
     ns = {"__name__": "__student_test__"}
     exec(compile(GROUP_HOLDING_CODE, "<cell groups>", "exec", dont_inherit=True), ns)
-    assert as_loaded.record(ns) == []
+    ns["big_data"] = torch.zeros(3 << 20)  # 12 MiB: stays out of the snapshot, sent live
+    assert as_loaded.record(ns) == ["big_data"]
     try:
         assert not as_loaded.changed_since_load()
         assert run_ranks(ns["world_sum"], 1, 3.0) == [(3.0, 1)]   # in this process

@@ -29,11 +29,14 @@ import io
 import pickle
 import types
 
+#: Pickled size (bytes) above which an object stays out of the snapshot.
+LARGE = 8 << 20
 #: Types whose values are the same whichever copy a run gets: never replaced by a reference.
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, types.ModuleType)
 
 _live: dict | None = None                  # the namespace the checks use
-_loaded: dict[str, object] | None = None   # name -> the object as loaded
+_at_load: dict[str, object] = {}           # name -> the object as loaded (all of them)
+_loaded: dict[str, object] | None = None   # those in the snapshot
 _snapshot: bytes | None = None             # cloudpickle of those objects (picklable ones)
 _shallow: dict[str, object] = {}           # name -> a shallow copy of its contents, to compare
 _overrides: dict[str, object] = {}         # name -> the reference's object, while in place
@@ -61,21 +64,29 @@ def _contents(value):
 
 
 def record(ns: dict) -> list[str]:
-    """Remember ``ns`` as it is now (right after loading). Returns the names that could not be
-    pickled: runs that need them fail as they would have before, with pickle's message."""
-    global _live, _loaded, _snapshot
+    """Remember ``ns`` as it is now (right after loading). Returns the names left out of the
+    snapshot: those that cannot be pickled (runs that need them fail as they would have, with
+    pickle's message) and large data (over :data:`LARGE` once pickled, e.g. a data set or a
+    model built at the top of a cell), which runs send as it is then, so that every run does
+    not ship it."""
+    global _live, _at_load, _loaded, _snapshot
     import cloudpickle
 
     _live = ns
     objects = _student_names(ns)
+    _at_load = dict(objects)
     left_out: list[str] = []
     try:
         _snapshot = cloudpickle.dumps(objects)
-    except Exception:  # noqa: BLE001 - find the culprits, keep the rest
+    except Exception:  # noqa: BLE001 - find the culprits below
+        _snapshot = None
+    if _snapshot is None or len(_snapshot) > LARGE:
         for name, value in list(objects.items()):
             try:
-                cloudpickle.dumps(value)
+                too_large = len(cloudpickle.dumps(value)) > LARGE
             except Exception:  # noqa: BLE001
+                too_large = True
+            if too_large:
                 left_out.append(name)
                 del objects[name]
         try:
@@ -107,9 +118,9 @@ def changed_since_load() -> bool:
     if _loaded is None or _live is None:
         return False
     live = {n: v for n, v in _student_names(_live).items() if n not in _overrides}
-    if set(live) != set(_loaded) - set(_overrides):
+    if set(live) != set(_at_load) - set(_overrides):
         return True
-    if any(live[n] is not v for n, v in _loaded.items() if n not in _overrides):
+    if any(live[n] is not v for n, v in _at_load.items() if n not in _overrides):
         return True
     for name, before in _shallow.items():
         after = _contents(_loaded[name])
