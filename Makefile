@@ -1,4 +1,6 @@
-# The two commands of the README: `make lab` (students) and `make test` (everyone, CI).
+# The two commands of the README: `make lab` (students) and `make test` (everyone: the quick
+# tier); `make test-all` is the full tier (CI: .ci/run). The `full` pytest marker decides the
+# tiers (pyproject.toml).
 # `make lab-instructor` is `make lab` with nbgrader's instructor tools (course/lab.py says why).
 # Both go through `make install`, which is idempotent: it creates .venv and installs the
 # project (the `course` toolkit and the `autograder`) with every requirement in pyproject.toml.
@@ -8,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PORT   ?= 8888
 
-.PHONY: install lab lab-instructor test grade bench student-edition clean
+.PHONY: install lab lab-instructor test test-all grade bench student-edition clean
 
 install: $(STAMP)
 
@@ -28,8 +30,12 @@ lab-instructor: install
 	$(PY) -m course.lab --instructor --ServerApp.root_dir=. --port=$(PORT) $(LAB_ARGS)
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite, every other
-# non-zero code is.
+# non-zero code is. `make test`: the quick tier (did I break something?); `make test-all`:
+# everything, what CI runs before a change lands.
 test: install
+	$(PY) -m pytest -m "not full" $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+
+test-all: install
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
 # Grade one notebook: make grade NB=path/to/notebook.ipynb

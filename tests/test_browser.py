@@ -217,6 +217,7 @@ def cells(driver) -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_student_runs_a1_and_sees_check_results_without_nbgrader(lab, browser, tmp_path):
     base, token = lab("student")
     started = time.monotonic()
@@ -260,6 +261,7 @@ def test_student_runs_a1_and_sees_check_results_without_nbgrader(lab, browser, t
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_instructor_lab_keeps_nbgrader(lab, browser, tmp_path):
     """The contrast to the student's lab: the same notebook with nbgrader's menu and panels."""
     from selenium.webdriver.support.ui import WebDriverWait

@@ -28,6 +28,7 @@ def run(cmd: list[str], env: dict, timeout: float = 180) -> subprocess.Completed
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_torchrun_standalone_trains_checkpoints_and_resumes(tmp_path, offline_env):
     assert TORCHRUN.exists(), f"no torchrun next to {sys.executable}"
     # --data fashion reads the tiny Fashion-MNIST files of offline_env (rank 0 first).
@@ -53,6 +54,7 @@ def test_torchrun_standalone_trains_checkpoints_and_resumes(tmp_path, offline_en
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_multinode_script_runs_as_a_single_node(tmp_path, offline_env):
     """The multi-node launcher, with one node and a c10d rendezvous on the loopback."""
     from course.launch import free_port

@@ -175,6 +175,7 @@ def _env(offline_env, **extra) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_entrypoint_grades_a_folder(offline_env, tmp_path):
     from autograder.checking.spec import functions_of
 

@@ -179,6 +179,7 @@ def test_reference_is_absent_and_speedup_says_fixed_threshold(edition, edition_p
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_released_notebook_scores_zero_with_readable_messages(edition, edition_python,
                                                                offline_env):
     report = edition_grade(edition_python, edition, A1, offline_env)
@@ -190,6 +191,7 @@ def test_released_notebook_scores_zero_with_readable_messages(edition, edition_p
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_pasted_solution_answers_get_full_marks(edition, edition_python, offline_env):
     """A student who writes the reference's answers into the released notebook gets every
     point that this machine can grade (skipped checks say why)."""

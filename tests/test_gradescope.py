@@ -62,6 +62,7 @@ def run_autograder(tmp_path: Path, submission_files: dict[str, str], env: dict) 
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_run_autograder_grades_the_submission(tmp_path, offline_env):
     results = run_autograder(tmp_path, {"work/data_parallel.ipynb": SOLUTION.read_text(),
                                         "notes.txt": "hi"}, offline_env)

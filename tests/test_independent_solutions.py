@@ -16,6 +16,8 @@ import pytest
 
 from conftest import REPO, assert_full_marks, grade, grade_id
 
+pytestmark = pytest.mark.full
+
 INDEPENDENT = REPO / "tests" / "independent"
 ASSIGNMENTS = sorted(p.stem for p in INDEPENDENT.glob("a*.py"))
 

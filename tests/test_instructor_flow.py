@@ -150,6 +150,7 @@ def course(tmp_path_factory, offline_env) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("assignment", NOTEBOOKS)
 def test_exported_scores_per_student(course, assignment):
     points = check_cell_points(assignment)
@@ -172,6 +173,7 @@ def test_exported_scores_per_student(course, assignment):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("assignment", NOTEBOOKS)
 def test_written_answers_wait_for_manual_grading(course, assignment):
     from nbgrader.api import Gradebook
@@ -192,6 +194,7 @@ def test_written_answers_wait_for_manual_grading(course, assignment):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("assignment", NOTEBOOKS)
 def test_feedback_has_no_solution_text(course, assignment):
     stem = Path(NOTEBOOKS[assignment]).stem

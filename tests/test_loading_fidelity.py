@@ -208,6 +208,7 @@ def held_out_style(source_nb, function_names):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_reference_in_real_code_style_scores_full(assignment, offline_env, tmp_path):
     from autograder.checking.spec import functions_of

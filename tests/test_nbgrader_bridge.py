@@ -11,7 +11,7 @@ from nbclient import NotebookClient
 
 from conftest import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 SOURCE = REPO / "solutions" / "a1_data_parallel" / "data_parallel.ipynb"
 RELEASE = REPO / "assignments" / "a1_data_parallel" / "data_parallel.ipynb"

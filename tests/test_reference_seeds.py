@@ -15,6 +15,8 @@ import pytest
 
 from conftest import REPO, grade
 
+pytestmark = pytest.mark.full
+
 from autograder.results import SPEED_NOT_MEASURED
 from autograder.checking.spec import load_spec
 from autograder.registry import ASSIGNMENTS
