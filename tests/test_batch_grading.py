@@ -205,6 +205,8 @@ def fake_grader(monkeypatch):
 
     monkeypatch.setattr(batch, "grade_one", grade_one)
     monkeypatch.setattr(batch, "reference_exposed", lambda: None)
+    for k in ("AUTOGRADER_SPEED", "AUTOGRADER_SKIPPED"):   # the defaults: measure, award
+        monkeypatch.delenv(k, raising=False)
     return calls, state
 
 
@@ -326,10 +328,8 @@ def retimed(calls):
 
 
 def test_unjudged_checks_are_retimed_alone_and_what_stays_unjudged_keeps_one_maximum(
-        fake_grader, tmp_path, monkeypatch):
+        fake_grader, tmp_path):
     calls, _ = fake_grader
-    monkeypatch.delenv("AUTOGRADER_SKIPPED", raising=False)
-    monkeypatch.delenv("AUTOGRADER_SPEED", raising=False)
     still = LOAD.replace("1.02x", "0.97x")          # loaded again, in another run
     subs = speed_class(tmp_path / "subs", {
         "judged": (["passed", ""], ["passed", ""]),
@@ -419,7 +419,6 @@ def test_speed_skip_runs_are_reported_as_such_not_retimed(fake_grader, tmp_path,
 
 
 def test_shards_merge_on_the_same_rule(fake_grader, tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv("AUTOGRADER_SKIPPED", raising=False)
     subs = speed_class(tmp_path / "subs", {
         f"st{i}": (["skipped", NO_GPUS], ["skipped", NO_GPUS]) if i % 2 else
         (["passed", ""], ["passed", ""]) for i in range(8)})
