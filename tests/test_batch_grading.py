@@ -1,6 +1,8 @@
 """Grading a whole class (issue 14): stable shards, disjoint jobs, resume, merge, progress and
-the gradebook. Fast tests replace the per-notebook grader by a stand-in (the folder logic is
-what they test); the slow test grades real A1 notebooks with --jobs 2 and sequentially."""
+the gradebook; checks the machine could not judge, re-timed at the end and counted by one rule
+(issue 22 F). Fast tests replace the per-notebook grader by a stand-in (the folder logic is
+what they test); the slow tests grade real A1 notebooks (with --jobs 2 and sequentially; and
+on a machine shown no GPU, where A1's speedup check cannot be judged)."""
 from __future__ import annotations
 
 import csv
@@ -141,37 +143,70 @@ def test_progress_is_a_bar_on_a_terminal():
 
 # --------------------------------------------------- folder grading with a stand-in grader
 
-def fake_row(path, student, key, score=None):
+SPEED_FN = "f_speedup"                    # the stand-in's speed check's function
+LOAD = ("f: the timed code is correct (your speedup 1.41x), but even the reference solution "
+        "reached only 1.02x on this machine in this run (median of 6 interleaved rounds; it "
+        "needs 1.10x to show a speedup here), so the hardware cannot judge one: not graded here")
+NO_GPUS = "f is correct, but its speedup needs 2 or more CUDA GPUs and this machine has 0"
+
+
+def speed_result(outcome):
+    """The stand-in's speed check (3 points) from ``[status, message]``."""
+    status, message = outcome
+    return {"name": "speedup", "function": SPEED_FN, "points": 3.0 if status == "passed" else 0.0,
+            "max_points": 3.0, "status": status, "message": message, "seconds": 1.0}
+
+
+def fake_row(path, student, key, score=None, only=None, speed=None, seed=None):
+    """The 'notebook' is JSON: ``score`` (checks c1 and c2, 5 points) and, optionally, its
+    speed check's outcome in the first pass (``first``) and when re-timed (``retry``)."""
+    from autograder.results import SPEED_NOT_MEASURED
+
     data = json.loads(Path(path).read_text())
     score = float(data["score"]) if score is None else score
     results = [{"name": "c1", "function": "f", "points": min(score, 2.0), "max_points": 2.0,
                 "status": "passed" if score >= 2 else "failed", "message": ""},
                {"name": "c2", "function": "g", "points": max(score - 2, 0.0), "max_points": 3.0,
                 "status": "passed" if score >= 5 else "failed", "message": ""}]
-    report = {"assignment": A1, "score": score, "max_score": 5.0, "results": results}
-    return batch.Graded(student=student, notebook=Path(path).name, assignment=A1, score=score,
-                        max_score=5.0, status=batch.GRADED, not_graded_points=0.0, message="",
-                        key=key, results={"score": score}, report=report, output="table")
+    if "first" in data:
+        results.append(speed_result(["skipped", SPEED_NOT_MEASURED] if speed == "skip"
+                                    else data["retry"] if only else data["first"]))
+    if only:   # --only: the checks of these functions alone, as the CLI grades them
+        results = [r for r in results if r["function"] in only.split(",")]
+    report = {"assignment": A1, "score": sum(r["points"] for r in results), "seed": seed or 7,
+              "max_score": sum(r["max_points"] for r in results if r["status"] != "skipped"),
+              "results": results, "notes": []}
+    return batch.settled(batch.Graded(
+        student=student, notebook=Path(path).name, assignment=A1, score=report["score"],
+        max_score=report["max_score"], status=batch.GRADED, not_graded_points=0.0, message="",
+        key=key, results={"score": score}, report=report, output="table"))
 
 
 @pytest.fixture
 def fake_grader(monkeypatch):
-    """batch.grade_one replaced: the 'notebook' is JSON holding its score; records calls and
-    the slot each ran in; ``fail_on`` makes that student's grading raise KeyboardInterrupt."""
+    """batch.grade_one replaced: the 'notebook' is JSON (:func:`fake_row`); records calls (the
+    slot each ran in, --only, --seed, --speed, when it ran); ``fail_on`` makes that student's
+    grading raise KeyboardInterrupt."""
     calls, lock = [], threading.Lock()
     state = {"fail_on": None}
 
     def grade_one(notebook, workdir, assignment=None, timeout=0, student="", relpath="",
-                  key="", seed=None, env=None, cpus=None, on_start=None):
+                  key="", seed=None, env=None, cpus=None, on_start=None, only=None, speed=None):
+        ran = [time.monotonic(), None]   # when it started and ended
         with lock:
-            calls.append((student, tuple(cpus), env["COURSE_PORTS"], str(workdir)))
+            calls.append((student, tuple(cpus), env["COURSE_PORTS"], str(workdir), only, seed,
+                          speed, ran))
         if student == state["fail_on"]:
             raise KeyboardInterrupt
         time.sleep(0.02)
-        return fake_row(notebook, student, key)
+        row = fake_row(notebook, student, key, only=only, speed=speed, seed=seed)
+        ran[1] = time.monotonic()
+        return row
 
     monkeypatch.setattr(batch, "grade_one", grade_one)
     monkeypatch.setattr(batch, "reference_exposed", lambda: None)
+    for k in ("AUTOGRADER_SPEED", "AUTOGRADER_SKIPPED"):   # the defaults: measure, award
+        monkeypatch.delenv(k, raising=False)
     return calls, state
 
 
@@ -277,6 +312,135 @@ def test_merge_reports_missing_students_and_shards(fake_grader, tmp_path):
     assert set(manifest["missing"]) == others | {gone}
 
 
+# ------------------------------------------------- checks the machine could not judge (#22 F)
+
+def speed_class(root: Path, outcomes: dict) -> Path:
+    """``{student: (first pass, re-timed)}``, each ``[status, message]``; all at 5/5 otherwise."""
+    root.mkdir(parents=True, exist_ok=True)
+    for student, (first, retry) in outcomes.items():
+        (root / f"{student}.ipynb").write_text(json.dumps(
+            {"score": 5, "first": list(first), "retry": list(retry)}))
+    return root
+
+
+def retimed(calls):
+    return [c for c in calls if c[4]]
+
+
+def test_unjudged_checks_are_retimed_alone_and_what_stays_unjudged_keeps_one_maximum(
+        fake_grader, tmp_path):
+    calls, _ = fake_grader
+    still = LOAD.replace("1.02x", "0.97x")          # loaded again, in another run
+    subs = speed_class(tmp_path / "subs", {
+        "judged": (["passed", ""], ["passed", ""]),
+        "passes": (["skipped", LOAD], ["passed", "f_speedup: 1.40x (reference 1.42x)"]),
+        "slow": (["skipped", LOAD], ["failed", "your speedup is 1.01x"]),
+        "loaded": (["skipped", LOAD], ["skipped", still])})
+    out = tmp_path / "out"
+    rows = batch.grade_folder(subs, out, assignment=A1, jobs=2, progress_stream=io.StringIO())
+    first = [c for c in calls if not c[4]]
+    again = retimed(calls)
+    # the unjudged ones, again: --only their check's function, the first pass's seed, the
+    # whole machine, one at a time, after the first pass
+    assert sorted(c[0] for c in again) == ["loaded", "passes", "slow"]
+    assert all(c[4] == SPEED_FN and c[5] == 7 and c[6] == "measure" for c in again)
+    assert all(c[1] == tuple(jobs.usable_cores()) for c in again)
+    assert min(c[7][0] for c in again) >= max(c[7][1] for c in first)
+    spans = sorted(c[7] for c in again)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    got = {r["student"]: r for r in grades(out)}
+    assert {r["max_score"] for r in got.values()} == {"8"}            # one maximum
+    assert [(s, got[s]["score"], got[s]["needs_timing"], got[s]["not_graded_points"])
+            for s in sorted(got)] == [("judged", "8", "", "0"), ("loaded", "8", SPEED_FN, "3"),
+                                      ("passes", "8", "", "0"), ("slow", "5", "", "0")]
+    by = {g.student: g for g in rows}
+    assert [r["status"] for r in by["passes"].report["results"]] == ["passed"] * 3
+    assert by["passes"].report["results"][2]["message"].startswith("f_speedup: 1.40x")
+    assert by["slow"].report["score"] == 5 and by["slow"].report["max_score"] == 8
+    notes = " ".join(by["loaded"].report["notes"])
+    assert "re-timed alone at the end of the class run: SKIP again" in notes and "0.97x" in notes
+    assert retime_banner() in (out / "loaded" / "output.txt").read_text()
+    # the student reads the same: their points, out of the check's maximum, and why
+    results = json.loads((out / "loaded" / "results.json").read_text())
+    speed = [t for t in results["tests"] if t["name"].startswith(SPEED_FN)]
+    assert results["score"] == 8 and speed[0]["score"] == speed[0]["max_score"] == 3
+    assert "0.97x" in speed[0]["output"] and "Needs timing: f_speedup" in results["output"]
+    assert json.loads((out / "loaded" / "report.json").read_text()) == by["loaded"].report
+    # the same rule on a rerun (nothing regraded; the still-unjudged one is re-timed again)
+    n = len(calls)
+    batch.grade_folder(subs, out, assignment=A1, jobs=2, progress_stream=io.StringIO())
+    assert [(c[0], c[4]) for c in calls[n:]] == [("loaded", SPEED_FN)]
+    assert {r["student"]: r["score"] for r in grades(out)} == {
+        s: r["score"] for s, r in got.items()}
+
+
+def retime_banner():
+    from autograder.integrations.retime import BANNER
+
+    return BANNER
+
+
+def test_a_reason_that_stays_word_for_word_is_retimed_once_not_per_student(fake_grader, tmp_path):
+    calls, _ = fake_grader
+    subs = speed_class(tmp_path / "subs", {
+        s: (["skipped", NO_GPUS], ["skipped", NO_GPUS]) for s in ("ann", "bob", "cyd")})
+    batch.grade_folder(subs, tmp_path / "out", assignment=A1, progress_stream=io.StringIO())
+    assert [c[0] for c in retimed(calls)] == ["ann"]
+    got = grades(tmp_path / "out")
+    assert [(r["score"], r["max_score"], r["needs_timing"]) for r in got] == [
+        ("8", "8", SPEED_FN)] * 3
+    report = json.loads((tmp_path / "out" / "cyd" / "report.json").read_text())
+    assert any("not re-timed" in n and "when ann's was re-timed" in n for n in report["notes"])
+
+
+def test_speed_skip_runs_are_reported_as_such_not_retimed(fake_grader, tmp_path, monkeypatch,
+                                                          capsys):
+    calls, _ = fake_grader
+    monkeypatch.setenv("AUTOGRADER_SPEED", "skip")
+    subs = speed_class(tmp_path / "subs", {s: (["passed", ""], ["passed", ""]) for s in "ab"})
+    out = tmp_path / "out"
+    assert batch.main([str(subs), str(out), "--assignment", A1]) == 0
+    assert not retimed(calls) and {c[6] for c in calls} == {"skip"}
+    assert [(r["score"], r["max_score"], r["needs_timing"]) for r in grades(out)] == [
+        ("5", "8", f"{SPEED_FN} (--speed skip)")] * 2
+    printed = capsys.readouterr().out
+    assert "--speed skip: nothing is timed or re-timed" in printed
+    assert "2 of 2 notebook(s) still need a timing" in printed
+    assert "counts in max_score and earns 0" in printed       # the rule, stated
+    # later, on hardware that can time them: only those checks are timed
+    monkeypatch.delenv("AUTOGRADER_SPEED")
+    n = len(calls)
+    assert batch.main([str(subs), str(out), "--assignment", A1]) == 0
+    assert [(c[0], c[4], c[6]) for c in calls[n:]] == [("a", SPEED_FN, "measure"),
+                                                        ("b", SPEED_FN, "measure")]
+    assert [(r["score"], r["max_score"], r["needs_timing"]) for r in grades(out)] == [
+        ("8", "8", "")] * 2
+    assert "still need a timing" not in capsys.readouterr().out
+
+
+def test_shards_merge_on_the_same_rule(fake_grader, tmp_path, monkeypatch, capsys):
+    subs = speed_class(tmp_path / "subs", {
+        f"st{i}": (["skipped", NO_GPUS], ["skipped", NO_GPUS]) if i % 2 else
+        (["passed", ""], ["passed", ""]) for i in range(8)})
+    kw = dict(assignment=A1, progress_stream=io.StringIO())
+    batch.grade_folder(subs, tmp_path / "one", **kw)
+    for k in (1, 2):
+        batch.grade_folder(subs, tmp_path / f"s{k}", shard=(k, 2), **kw)
+    assert merge.main([str(tmp_path / "s1"), str(tmp_path / "s2"), "--out",
+                       str(tmp_path / "m")]) == 0
+    assert (tmp_path / "m" / "grades.csv").read_text() == (
+        tmp_path / "one" / "grades.csv").read_text()
+    assert "4 of 8 notebook(s) still need a timing" in capsys.readouterr().out
+    # the rule is applied where the grades are counted: AUTOGRADER_SKIPPED=zero at the merge
+    # awards the unjudged check nothing, for every shard alike, out of the same maximum
+    monkeypatch.setenv("AUTOGRADER_SKIPPED", "zero")
+    rows, _ = merge.merge([tmp_path / "s1", tmp_path / "s2"], tmp_path / "m0")
+    assert {(g.student, g.score, g.max_score) for g in rows} == {
+        (f"st{i}", 5.0 if i % 2 else 8.0, 8.0) for i in range(8)}
+    results = json.loads((tmp_path / "m0" / "st1" / "results.json").read_text())
+    assert results["score"] == 5 and "AUTOGRADER_SKIPPED=zero" in results["tests"][-1]["output"]
+
+
 # ---------------------------------------------------------------------------------- gradebook
 
 def test_class_summaries_and_nbgrader_gradebook(fake_grader, tmp_path):
@@ -340,6 +504,54 @@ def test_jobs_give_the_same_scores_as_grading_one_at_a_time(offline_env, tmp_pat
     assert runs[1] == runs[2]
     assert runs[2]["ref"][0] == runs[2]["ref"][1] > 0 and runs[2]["stub"][0] == 0
     assert 0 < runs[2]["bug"][0] < runs[2]["ref"][0]
+
+
+@pytest.mark.slow
+def test_a_speed_check_this_machine_cannot_judge_is_retimed_then_noted_out_of_one_maximum(
+        offline_env, tmp_path, monkeypatch):
+    """Real A1 grading shown no GPU (``CUDA_VISIBLE_DEVICES=""``, which the folder grader
+    reads and passes on): train_batch's speedup check cannot be judged, whatever the load, so
+    the outcome is fixed. Two reference copies and the stub: the first copy's check is re-timed
+    (its notebook graded again with --only train_batch_speedup and its seed), SKIPs with the
+    same reason, so the second copy's is not re-timed; both keep full marks out of the same
+    maximum as the stub's, with the check named in needs_timing."""
+    from autograder.checking.spec import load_spec
+    from autograder.integrations.retime import BANNER
+    from test_grader_a1 import RELEASE, SOURCE
+
+    for k, v in offline_env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    for k in ("AUTOGRADER_SPEED", "AUTOGRADER_SKIPPED"):
+        monkeypatch.delenv(k, raising=False)
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    for name, source in (("ann", SOURCE), ("bob", SOURCE), ("stub", RELEASE)):
+        (subs / f"{name}.ipynb").write_bytes(source.read_bytes())
+    out, log = tmp_path / "out", io.StringIO()
+    rows = {g.student: g for g in batch.grade_folder(subs, out, progress_stream=log)}
+    spec = load_spec(A1)
+    total = sum(c.points for c in spec.checks)
+    speed = next(c for c in spec.checks if c.speed)
+    got = {r["student"]: r for r in grades(out)}
+    assert [(s, float(r["score"]), float(r["max_score"]), r["needs_timing"])
+            for s, r in sorted(got.items())] == [
+        ("ann", total, total, speed.function), ("bob", total, total, speed.function),
+        ("stub", 0.0, total, "")], log.getvalue()
+    assert float(got["ann"]["not_graded_points"]) == speed.points
+    ann, bob = rows["ann"], rows["bob"]
+    first, again = (out / "ann" / "output.txt").read_text().split(BANNER)
+    assert f"Seed: {ann.report['seed']}" in again and speed.name in again
+    assert "copy_params" in first and "copy_params" not in again   # --only: that check alone
+    assert BANNER not in (out / "bob" / "output.txt").read_text()
+    assert any(f"{speed.name}: re-timed alone at the end of the class run: SKIP again" in n
+               and "CUDA GPUs" in n for n in ann.report["notes"])
+    assert any(f"{speed.name}: not re-timed" in n and "when ann's" in n
+               for n in bob.report["notes"])
+    assert f"re-timing ann: {speed.name} SKIP" in log.getvalue()
+    results = json.loads((out / "bob" / "results.json").read_text())
+    test = next(t for t in results["tests"] if t["name"].endswith(speed.name))
+    assert results["score"] == total and test["score"] == test["max_score"] == speed.points
 
 
 # ------------------------------------------------------------------------- cluster launchers

@@ -1,5 +1,5 @@
 """Grade a folder of submissions: ``python -m autograder grade-folder SUBMISSIONS OUT
-[--assignment A] [--jobs N] [--shard K/N] [--force] [--nbgrader-db PATH]``.
+[--assignment A] [--jobs N] [--shard K/N] [--speed measure|skip] [--force] [--nbgrader-db PATH]``.
 
 Layout of SUBMISSIONS, one student per entry:
 
@@ -15,12 +15,18 @@ the machine holds. ``--shard K/N`` grades one stable slice of the students (:mod
 ``python -m autograder merge`` joins the slices, :mod:`.merge`). A rerun keeps the results of
 notebooks that have not changed (:mod:`.store`; ``--force`` regrades).
 
-OUT receives ``grades.csv`` (student, assignment, score, max_score, status, ...), the class
-summaries (``checks.csv``, ``scores.png``, ``gradebook.csv``: :mod:`.gradebook`), ``shard.json``
-(the class and the slice) and, per student, ``<student>/results.json`` (Gradescope's format:
-what the student may read), ``report.json`` (the full report), ``output.txt`` (the table the
-CLI printed) and ``grading.json`` (the row and the notebook's fingerprint). A student with
-several notebooks gets one sub-folder per notebook.
+Checks the machine could not judge (a speed check's SKIP "not graded here") are re-timed at the
+end, one notebook at a time on the whole machine (:mod:`.retime`; not under ``--speed skip``).
+What stays unjudged counts by one rule for every student (:func:`.gradebook.tally`): in
+``max_score`` always, so an assignment has one maximum, and named in ``needs_timing``.
+
+OUT receives ``grades.csv`` (student, assignment, score, max_score, status, needs_timing,
+...), the class summaries (``checks.csv``, ``scores.png``, ``gradebook.csv``:
+:mod:`.gradebook`), ``shard.json`` (the class and the slice) and, per student,
+``<student>/results.json`` (Gradescope's format: what the student may read), ``report.json``
+(the full report), ``output.txt`` (the table the CLI printed) and ``grading.json`` (the row
+and the notebook's fingerprint). A student with several notebooks gets one sub-folder per
+notebook.
 
 Everything in OUT is written again from memory after the last notebook, so code that ran during
 grading cannot leave altered results behind.
@@ -31,6 +37,7 @@ import argparse
 import csv
 import io
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -38,14 +45,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..invoke import run_grader
-from ..results import SKIPPED, atomic_write, failure_results
+from ..results import atomic_write, failure_results
 from ..sandbox.isolation import reference_exposed
-from . import gradebook, store
+from . import gradebook, retime, store
 from . import jobs as jobs_
 from .progress import Progress
 from .shards import parse_shard, select, shard_of
 CSV_FIELDS = ["student", "assignment", "score", "max_score", "status", "not_graded_points",
-              "notebook", "message"]
+              "needs_timing", "notebook", "message"]
 DEFAULT_TIMEOUT = 900.0
 OUTPUT_TAIL = 4000
 
@@ -61,21 +68,23 @@ class Graded:
     student: str
     notebook: str              # path relative to the submissions folder
     assignment: str
-    score: float
-    max_score: float           # points that could be earned on this machine
+    score: float               # by the class rule (gradebook.tally)
+    max_score: float           # all the assignment's points, judged here or not
     status: str
-    not_graded_points: float   # points of checks skipped on this machine (SKIP lines)
+    not_graded_points: float   # points of the checks not judged (SKIP lines), in max_score
     message: str
     key: str                   # folder of this result inside OUT
     results: dict              # Gradescope results.json
     report: dict               # full report (may be empty)
     output: str                # what the CLI printed
     seconds: float = 0.0       # how long grading took
+    needs_timing: str = ""     # functions of the checks not judged ("f, g (--speed skip)")
 
     def line(self) -> str:
         """One line for the log."""
         return (f"{self.key or self.notebook}: {self.status}, {self.score:g}/{self.max_score:g} "
-                f"({self.seconds:.0f} s)" + (f": {self.message[:100]}" if self.message else ""))
+                f"({self.seconds:.0f} s)" + (f": {self.message[:100]}" if self.message else "")
+                + (f"; needs timing: {self.needs_timing}" if self.needs_timing else ""))
 
 
 def find_submissions(root: Path, exclude: list[Path] = ()) -> list[tuple[str, Path]]:
@@ -99,11 +108,13 @@ def find_submissions(root: Path, exclude: list[Path] = ()) -> list[tuple[str, Pa
 def grade_one(notebook: Path, workdir: Path, assignment: str | None = None,
               timeout: float = DEFAULT_TIMEOUT, student: str = "", relpath: str = "",
               key: str = "", seed: int | None = None, env: dict | None = None,
-              cpus: list[int] | None = None, on_start=None) -> Graded:
+              cpus: list[int] | None = None, on_start=None, only: str | None = None,
+              speed: str | None = None) -> Graded:
     """Grade one notebook with the CLI in a fresh process; never raises for a bad notebook.
 
     ``workdir`` is a scratch folder for the CLI's results.json (read back right after it exits);
-    ``env``, ``cpus`` and ``on_start`` come from the job it runs in (:mod:`.jobs`).
+    ``env``, ``cpus`` and ``on_start`` come from the job it runs in (:mod:`.jobs`); ``only``
+    and ``speed`` are the CLI's ``--only`` and ``--speed``. The row is :func:`settled`.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     results_path = workdir / "results.json"
@@ -111,6 +122,8 @@ def grade_one(notebook: Path, workdir: Path, assignment: str | None = None,
     args = ["grade", str(Path(notebook).resolve()), "--json", str(results_path)]
     args += ["--assignment", assignment] if assignment else []
     args += ["--seed", str(seed)] if seed is not None else []
+    args += ["--only", only] if only else []
+    args += ["--speed", speed] if speed else []
     run = run_grader(args, timeout=timeout, env=env, cpus=cpus, on_start=on_start)
     output = run.output[-OUTPUT_TAIL:]
     try:
@@ -130,20 +143,27 @@ def grade_one(notebook: Path, workdir: Path, assignment: str | None = None,
         status = CRASHED
         message = (f"the grader stopped (exit code {run.returncode}) without a report: "
                    + " | ".join(output.strip().splitlines()[-3:]))[:500]
-    if status == GRADED:
-        score, max_score = float(report["score"]), float(report.get("max_score", 0))
-        not_graded = sum(float(r.get("max_points", 0)) for r in report["results"]
-                         if r.get("status") == SKIPPED)
-        if not results:
-            results = failure_results("the grader wrote no results.json")
-    else:
-        score, max_score, not_graded = 0.0, float(report.get("max_score", 0) or 0), 0.0
+    if status != GRADED:
         results = results if status == UNGRADABLE and results else failure_results(
             f"Not graded: {message}")
-    return Graded(student=student, notebook=relpath or str(notebook), assignment=name,
-                  score=score, max_score=max_score, status=status,
-                  not_graded_points=not_graded, message=message, key=key or student,
-                  results=results, report=report, output=output, seconds=run.seconds)
+    return settled(Graded(student=student, notebook=relpath or str(notebook), assignment=name,
+                          score=0.0, max_score=0.0, status=status, not_graded_points=0.0,
+                          message=message, key=key or student, results=results,
+                          report=report, output=output, seconds=run.seconds))
+
+
+def settled(g: Graded) -> Graded:
+    """``g`` with its score, maximum, unjudged points, ``needs_timing`` and results.json counted
+    from its report by the class rule (:func:`.gradebook.tally`): a first pass, a re-timing, a
+    kept result and a merge all count the same way."""
+    if g.status == GRADED and g.report.get("results") is not None:
+        t = gradebook.tally(g.report["results"])
+        g.score, g.max_score, g.not_graded_points = t.score, t.max_score, t.not_judged
+        g.needs_timing, g.results = t.needs_timing, gradebook.student_results(g.report)
+    elif g.status != GRADED:   # nothing earned, out of the assignment's one maximum
+        g.score, g.not_graded_points, g.needs_timing = 0.0, 0.0, ""
+        g.max_score = gradebook.assignment_points(g.assignment)
+    return g
 
 
 def _keys(subs: list[tuple[str, Path]], root: Path) -> list[str]:
@@ -209,25 +229,29 @@ def assignment_of(path: Path, given: str | None) -> str | None:
 def grade_folder(submissions_dir: str | Path, out_dir: str | Path, assignment: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT, seed: int | None = None,
                  jobs: int | None = None, shard: tuple[int, int] | None = None,
-                 force: bool = False, progress_stream=None) -> list[Graded]:
+                 force: bool = False, progress_stream=None,
+                 speed: str | None = None) -> list[Graded]:
     """Grade every notebook under ``submissions_dir`` (or slice ``shard`` of them), ``jobs``
-    at a time (None: as many as the machine holds); write ``out_dir``; return the rows."""
+    at a time (None: as many as the machine holds), then re-time what could not be judged
+    (:mod:`.retime`); write ``out_dir``; return the rows. ``speed``: ``measure`` or ``skip``
+    (None: ``$AUTOGRADER_SPEED``, else measure)."""
     root, out = Path(submissions_dir).resolve(), Path(out_dir).resolve()
     if not root.is_dir():
         raise FileNotFoundError(f"{submissions_dir}: no such folder")
     why = reference_exposed()
     if why is not None:
         raise GradingRefused(why)
+    speed = speed or os.environ.get("AUTOGRADER_SPEED", "measure")
     out.mkdir(parents=True, exist_ok=True)
     store.clear_work(out)
     items = plan(root, out, shard)
     rows: dict[int, Graded] = {}
-    todo = []
+    todo, fps = [], {}
     for i, (student, path, key) in enumerate(items):
-        fp = store.fingerprint(path, assignment, seed)
+        fps[key] = fp = store.fingerprint(path, assignment, seed)
         kept = None if force else store.read_result(out, key, fp, Graded)
         if kept is not None:
-            rows[i] = kept
+            rows[i] = settled(kept)   # by this run's rule, as a merge would
         else:
             todo.append((i, student, path, key, fp))
     cores, gpus = jobs_.usable_cores(), jobs_.visible_gpus()
@@ -237,7 +261,9 @@ def grade_folder(submissions_dir: str | Path, out_dir: str | Path, assignment: s
           + (f" (shard {shard[0]}/{shard[1]})" if shard else "")
           + (f"; {len(items) - len(todo)} kept from an earlier run (--force regrades)"
              if len(todo) < len(items) else "")
-          + f"; {jobs} at a time on {len(cores)} core(s), {len(gpus)} GPU(s)", flush=True)
+          + f"; {jobs} at a time on {len(cores)} core(s), {len(gpus)} GPU(s)"
+          + ("; --speed skip: nothing is timed or re-timed" if speed != "measure" else ""),
+          flush=True)
     progress = Progress(len(items), progress_stream)
     for i in sorted(rows):
         progress.update(rows[i].line() + " (kept)", rows[i].status != GRADED)
@@ -257,7 +283,8 @@ def grade_folder(submissions_dir: str | Path, out_dir: str | Path, assignment: s
         try:
             return grade_one(path, slot.tmp, assignment, timeout, student=student,
                              relpath=str(path.relative_to(root)), key=key, seed=seed,
-                             env=slot.env(), cpus=list(slot.cores), on_start=started)
+                             env=slot.env(), cpus=list(slot.cores), on_start=started,
+                             speed=speed)
         finally:
             for pid in pids:
                 running.finished(pid)
@@ -268,16 +295,30 @@ def grade_folder(submissions_dir: str | Path, out_dir: str | Path, assignment: s
         write_grades(out, [rows[i] for i in sorted(rows)])
         progress.update(g.line(), g.status != GRADED)
 
+    ordered = [rows[i] for i in sorted(rows)]
+
+    def regrade(g, functions, slot, started):   # the first pass's seed, these checks only
+        return grade_one(root / g.notebook, slot.tmp, g.assignment, timeout, student=g.student,
+                         relpath=g.notebook, key=g.key, seed=g.report.get("seed", seed),
+                         env=slot.env(), cpus=list(slot.cores), on_start=started,
+                         only=",".join(functions), speed="measure")
+
+    def persist(g):
+        store.write_result(out, settled(g), fps[g.key])
+        write_grades(out, ordered)
+
     try:
         jobs_.run_jobs(todo, needs, work, jobs, allocator, running, done)
+        progress.close()
+        ordered[:] = [rows[i] for i in sorted(rows)]
+        retime.retime(ordered, regrade, persist, speed=speed, cores=cores, gpus=gpus,
+                      scratch=scratch, running=running, stream=progress_stream)
     finally:
         progress.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    ordered = [rows[i] for i in sorted(rows)]
     # again, from memory: undo anything graded code wrote meanwhile
-    fps = {t[3]: t[4] for t in todo}
-    for (student, path, key), g in zip(items, ordered):
-        store.write_result(out, g, fps.get(key) or store.fingerprint(path, assignment, seed))
+    for g in ordered:
+        store.write_result(out, g, fps[g.key])
     write_grades(out, ordered)
     store.clear_work(out)
     gradebook.write_summary(out, ordered)
@@ -288,8 +329,10 @@ def summary(rows: list[Graded]) -> str:
     lines = [f"{'student':<24} {'assignment':<22} {'score':>12}  status"]
     for g in rows:
         lines.append(f"{g.student:<24} {g.assignment:<22} {f'{g.score:g}/{g.max_score:g}':>12}  "
-                     f"{g.status}" + (f": {g.message[:80]}" if g.message else ""))
-    return "\n".join(lines)
+                     f"{g.status}" + (f": {g.message[:80]}" if g.message else "")
+                     + (f" (needs timing: {g.needs_timing})" if g.needs_timing else ""))
+    rule = gradebook.rule_lines(rows)
+    return "\n".join(lines + ([""] + rule if rule else []))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
                    "the students (join the slices' OUT folders with `merge`)")
     p.add_argument("--force", action="store_true", help="regrade notebooks whose results "
                    "in OUT are from the same notebook content")
+    p.add_argument("--speed", choices=("measure", "skip"),
+                   default=os.environ.get("AUTOGRADER_SPEED", "measure"),
+                   help="skip: time nothing (speed checks count in max_score, earn 0 and are "
+                        "named in needs_timing; a later run that measures times only those); "
+                        "measure: checks the machine could not judge are re-timed at the end, "
+                        "alone (default: $AUTOGRADER_SPEED or measure)")
     p.add_argument("--nbgrader-db", metavar="PATH", help="also write the scores into this "
                    "nbgrader gradebook (sqlite file; created if absent)")
     args = p.parse_args(argv)
@@ -321,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     try:
         rows = grade_folder(args.submissions, args.out, args.assignment, args.timeout, args.seed,
-                            jobs=args.jobs, shard=shard, force=args.force)
+                            jobs=args.jobs, shard=shard, force=args.force, speed=args.speed)
     except (FileNotFoundError, GradingRefused) as exc:
         print(f"Cannot grade: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, GradingRefused) else 1

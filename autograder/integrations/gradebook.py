@@ -1,4 +1,14 @@
-"""What an instructor reads across a class, written next to ``grades.csv``:
+"""What an instructor reads across a class, written next to ``grades.csv``, and the one rule
+for a check this machine could not judge (:func:`tally`):
+
+- a check that SKIPs because the machine could not judge it (too few cores or GPUs, or too
+  loaded: "not graded here") counts in ``max_score`` for every student, so an assignment has
+  one maximum, and is awarded its points: a speed check verifies the timed code is correct
+  before it SKIPs, and a correct submission must not lose points to the machine (nbgrader's
+  bridge does the same; ``AUTOGRADER_SKIPPED=zero`` awards none, there and here);
+- a check not run on purpose (``--speed skip``: :data:`~autograder.results.SPEED_NOT_MEASURED`)
+  counts in ``max_score`` too and earns nothing: nothing was verified;
+- either way ``needs_timing`` names its function, until a run that can time it does so.
 
 - ``checks.csv``: per assignment and check, how many students passed, failed or were skipped
   on it (the part of an assignment the class found hard);
@@ -16,11 +26,113 @@ import io
 import os
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..results import atomic_write
+from ..results import SKIPPED, SPEED_NOT_MEASURED, atomic_write
 
 GRADED = "graded"
+#: how ``needs_timing`` marks a speed check that the run was asked not to time
+NOT_MEASURED_MARK = " (--speed skip)"
+
+
+def awards_unjudged() -> bool:
+    """The rule's switch, shared with nbgrader's bridge: ``AUTOGRADER_SKIPPED=zero`` awards an
+    unjudged check nothing."""
+    return os.environ.get("AUTOGRADER_SKIPPED", "award") != "zero"
+
+
+def points_of(result: dict) -> float:
+    """The points a check counts for in the class's grade."""
+    if result.get("status") != SKIPPED:
+        return float(result.get("points", 0))
+    if result.get("message") == SPEED_NOT_MEASURED or not awards_unjudged():
+        return 0.0
+    return float(result.get("max_points", 0))
+
+
+@dataclass
+class Tally:
+    score: float
+    max_score: float        # every check's points: one maximum per assignment
+    not_judged: float       # points of the checks that SKIPped (counted by :func:`points_of`)
+    needs_timing: str       # their functions, "f, g (--speed skip)"
+
+
+def tally(results: list[dict]) -> Tally:
+    """A report's checks under the class rule (the module's docstring)."""
+    needs = []
+    for r in results:
+        if r.get("status") == SKIPPED:
+            mark = NOT_MEASURED_MARK if r.get("message") == SPEED_NOT_MEASURED else ""
+            needs.append(f"{r.get('function', r.get('name', '?'))}{mark}")
+    return Tally(sum(points_of(r) for r in results),
+                 sum(float(r.get("max_points", 0)) for r in results),
+                 sum(float(r.get("max_points", 0)) for r in results if r.get("status") == SKIPPED),
+                 ", ".join(dict.fromkeys(needs)))
+
+
+def assignment_points(assignment: str | None) -> float:
+    """All the points of ``assignment`` (0 for an unknown one)."""
+    from ..checking.spec import functions_of
+
+    try:
+        return float(sum(functions_of(assignment).values())) if assignment else 0.0
+    except (ImportError, AttributeError):
+        return 0.0
+
+
+def rule_text() -> str:
+    """The rule as the CLI states it, and each student's results.json."""
+    unjudged = ("awarded its points (its code was verified correct before the SKIP; "
+                "AUTOGRADER_SKIPPED=zero awards none)" if awards_unjudged() else
+                "awarded no points (AUTOGRADER_SKIPPED=zero; unset it to award them, as its "
+                "code was verified correct before the SKIP)")
+    return ("A speed check this machine could not judge (SKIP \"not graded here\": too few "
+            "cores or GPUs, or too loaded even when re-timed alone at the end of the run) counts "
+            f"in max_score for every student and is {unjudged}; one not measured on purpose "
+            "(--speed skip) counts in max_score and earns 0. needs_timing names them: rerun "
+            "grade-folder on hardware that can time them (without --speed skip) and only those "
+            "are timed.")
+
+
+def rule_lines(rows, shown: int = 10) -> list[str]:
+    """What the CLI prints after a class run or a merge when some check was not judged: who
+    still needs a timing, and the rule their score was counted by."""
+    waiting = [g for g in rows if g.status == GRADED and g.needs_timing]
+    if not waiting:
+        return []
+    names = "; ".join(f"{g.key}: {g.needs_timing}" for g in waiting[:shown])
+    more = f"; and {len(waiting) - shown} more" if len(waiting) > shown else ""
+    return [f"{len(waiting)} of {len(rows)} notebook(s) still need a timing (needs_timing in "
+            f"grades.csv): {names}{more}", rule_text()]
+
+
+def student_results(report: dict) -> dict:
+    """``results.json`` for the student (Gradescope's format, :func:`autograder.results.gradescope`)
+    with the class rule: an unjudged check shows its points out of its maximum and why."""
+    from dataclasses import fields
+
+    from ..results import CheckResult, Report, gradescope
+
+    names = {f.name for f in fields(CheckResult)}
+    checks = [CheckResult(**{"seconds": 0.0, **{k: v for k, v in r.items() if k in names}})
+              for r in report["results"]]
+    out = gradescope(Report(report.get("assignment", ""), report.get("hardware", ""),
+                            report.get("isolation", ""), report.get("seed", 0), checks,
+                            list(report.get("notes", []))))
+    for test, r in zip(out["tests"], report["results"]):
+        if r.get("status") == SKIPPED:
+            got = points_of(r)
+            test.update(score=got, max_score=float(r.get("max_points", 0)),
+                        status="passed" if got else "failed",
+                        output=f"Not judged on the grading machine: {r.get('message', '')}\n"
+                               f"{rule_text()}")
+    t = tally(report["results"])
+    out["score"] = t.score
+    if t.needs_timing:
+        out["output"] += f"\nNeeds timing: {t.needs_timing}"
+    return out
 
 
 def check_summary(rows) -> list[dict]:
@@ -129,7 +241,7 @@ def export_nbgrader(db: str | Path, rows) -> int:
             gb.update_or_create_submission(g.assignment, g.student)
             earned = defaultdict(float)
             for r in g.report.get("results", []):
-                earned[r["function"]] += float(r.get("points", 0))
+                earned[r["function"]] += points_of(r)   # the class rule, as grades.csv
             for function in points:
                 grade = gb.find_grade(f"check_{function}", notebook, g.assignment, g.student)
                 grade.auto_score = earned.get(function, 0.0)

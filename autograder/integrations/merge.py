@@ -6,6 +6,11 @@ Refused: a student result in two shard folders (shards are disjoint; the same re
 means a folder was passed twice or shards were cut differently). Reported (exit code 3):
 students of the class (each shard's ``shard.json`` lists all of them) that no folder holds,
 and shards that are absent.
+
+Each row is counted again from its report by the class rule (:func:`.batch.settled`, the one
+``grade-folder`` uses), so shards graded apart, or by an older grader, join on one rule and
+one maximum per assignment. A merge grades nothing: checks still unjudged stay in
+``needs_timing`` (rerun a shard's ``grade-folder`` on hardware that can time them).
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import sys
 from pathlib import Path
 
 from . import gradebook, store
-from .batch import GRADED, Graded, summary, write_grades
+from .batch import GRADED, Graded, settled, summary, write_grades
 
 
 class MergeError(Exception):
@@ -50,7 +55,7 @@ def merge(folders: list[str | Path], out_dir: str | Path) -> tuple[list[Graded],
                 continue
             if key in found:
                 raise MergeError(f"{key}: graded in both {found[key][1]} and {folder}")
-            found[key] = (g, folder)
+            found[key] = (settled(g), folder)
     if out.exists() and any(out.iterdir()):
         raise MergeError(f"{out}: not empty (merge writes a fresh folder)")
     missing = sorted(set(expected) - set(found))

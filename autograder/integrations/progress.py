@@ -6,7 +6,7 @@ import sys
 
 
 class Progress:
-    def __init__(self, total: int, stream=None, bar: bool | None = None):
+    def __init__(self, total: int, stream=None, bar: bool | None = None, desc: str = "grading"):
         self.stream = stream or sys.stderr
         self.total, self.done, self.failures = total, 0, 0
         isatty = getattr(self.stream, "isatty", lambda: False)()
@@ -15,7 +15,7 @@ class Progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, file=self.stream, unit="nb", dynamic_ncols=True,
-                            desc="grading")
+                            desc=desc)
 
     def update(self, line: str, failed: bool, skipped: bool = False) -> None:
         """One submission finished (``skipped``: its earlier result was kept)."""
