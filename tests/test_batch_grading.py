@@ -480,6 +480,7 @@ def batch_points():
 # ------------------------------------------------------------------------- real grading (slow)
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_jobs_give_the_same_scores_as_grading_one_at_a_time(offline_env, tmp_path, monkeypatch):
     """Three A1 notebooks (the reference, the stubs, a planted bug), graded sequentially and
     with --jobs 2 (one core each): the same score and the same status of every check."""
@@ -507,6 +508,7 @@ def test_jobs_give_the_same_scores_as_grading_one_at_a_time(offline_env, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_a_speed_check_this_machine_cannot_judge_is_retimed_then_noted_out_of_one_maximum(
         offline_env, tmp_path, monkeypatch):
     """Real A1 grading shown no GPU (``CUDA_VISIBLE_DEVICES=""``, which the folder grader
