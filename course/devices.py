@@ -89,6 +89,10 @@ def synchronize(devices=None) -> None:
             torch.cuda.synchronize(d)
 
 
+#: Set to "1" to make :func:`cpu_bf16_ok` say no (the lessons' no-bf16 path); read at each call.
+DISABLE_CPU_BF16 = "COURSE_DISABLE_CPU_BF16"
+
+
 def cpu_bf16_ok() -> bool:
     """Make bf16 matrix products safe on this CPU before any runs; True when they are.
 
@@ -97,9 +101,17 @@ def cpu_bf16_ok() -> bool:
     the notebook's kernel down. A bf16 product in a throw-away process tells; if it dies, oneDNN
     is capped below AMX (``ONEDNN_MAX_CPU_ISA``, read when oneDNN first runs, and inherited by
     the processes ``course.launch`` starts), which keeps bf16 correct, only slower. Call it
-    before this process runs its first bf16 product."""
+    before this process runs its first bf16 product.
+
+    ``COURSE_DISABLE_CPU_BF16=1`` makes it return False without probing, as on a CPU where
+    bf16 products die even below AMX. Why: that path (lesson 10's 16-bit cells in fp16) must
+    run somewhere it can be tested, and the machines that run the tests usually have working
+    bf16; the suite runs lesson 10 once with it set."""
     import subprocess
     import sys
+
+    if os.environ.get(DISABLE_CPU_BF16) == "1":
+        return False
 
     probe = ("import torch; a = torch.randn(64, 256, dtype=torch.bfloat16); "
              "b = torch.nn.Linear(256, 64).bfloat16(); (a @ a.T).sum(); b(a).sum().backward()")

@@ -1,6 +1,7 @@
 """Unit tests of the `course` toolkit: devices, timing, data (on tiny files), models, launch."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -18,6 +19,24 @@ def test_cpu_stand_ins_are_labelled():
     text = devices.describe(ds)
     assert "stand-in" in text and "no GPU" in text
     assert "no CUDA GPU" in devices.hardware_summary()
+
+
+def test_cpu_bf16_can_be_disabled_without_probing(monkeypatch):
+    """COURSE_DISABLE_CPU_BF16=1 answers False at once: no probe process, no oneDNN cap."""
+    import subprocess
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("cpu_bf16_ok probed although bf16 was disabled")
+
+    monkeypatch.setattr(subprocess, "run", no_probe)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv(devices.DISABLE_CPU_BF16, "1")
+    assert devices.DISABLE_CPU_BF16 == "COURSE_DISABLE_CPU_BF16"
+    assert devices.cpu_bf16_ok() is False
+    assert "ONEDNN_MAX_CPU_ISA" not in os.environ
+    monkeypatch.setenv(devices.DISABLE_CPU_BF16, "0")  # any other value: probe as usual
+    with pytest.raises(AssertionError, match="probed"):
+        devices.cpu_bf16_ok()
 
 
 def test_benchmark_reports_median_after_warmup():
