@@ -40,6 +40,7 @@ def test_released_stubs_score_zero_with_readable_messages(offline_env):
     assert_stubs_score_zero(grade(RELEASE, env=offline_env))
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.parametrize("function", list(BUGS))
 def test_planted_bug_loses_exactly_that_functions_points(function, offline_env, tmp_path):
@@ -48,6 +49,7 @@ def test_planted_bug_loses_exactly_that_functions_points(function, offline_env, 
     assert_only_these_lose_points(grade(path, env=offline_env), [function])
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_seed_repeats_a_grade(offline_env, tmp_path):
     """A report names its seed; --seed with it repeats the same inputs (the failure messages

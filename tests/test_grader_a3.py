@@ -59,6 +59,7 @@ BUG_GROUPS = [("split_into_stages", "one_f_one_b_schedule", "pipeline_train_step
               ("pipelined_forward", "bubble_fraction")]
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.parametrize("functions", BUG_GROUPS, ids=["+".join(g) for g in BUG_GROUPS])
 def test_planted_bugs_lose_exactly_their_functions_points(functions, offline_env, tmp_path):
