@@ -36,12 +36,13 @@ test: install
 grade: install
 	$(PY) -m autograder grade $(NB)
 
-# Measure the reference solutions on this machine (DDP weak scaling, ring vs all_reduce), then
-# dense vs tensor-parallel vs data-parallel MLP blocks on 2 and 4 processes (A5, lesson 13;
-# torch's own TP, no solution needed). BENCH_TP_ARGS="--hidden 256 512" for fewer sizes.
+# Benchmarks (`python -m autograder.bench` lists them all). `make bench`:
+# A2's reference on this machine (DDP weak scaling, ring vs all_reduce), then dense vs
+# tensor-parallel vs data-parallel MLP blocks on 2 and 4 processes (A5, lesson 13; torch's own
+# TP, no solution needed). BENCH_TP_ARGS="--hidden 256 512" for fewer sizes.
 bench: install
-	$(PY) -m autograder.bench $(BENCH_ARGS)
-	$(PY) -m autograder.bench_tp $(BENCH_TP_ARGS)
+	$(PY) -m autograder.bench a2_ddp $(BENCH_ARGS)
+	$(PY) -m autograder.bench tp $(BENCH_TP_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
@@ -52,7 +53,7 @@ clean:
 # docs/gpu-report.md (README, "GPU verification"). GPU_CHECK_ARGS="--only lessons,grading".
 .PHONY: gpu-check
 gpu-check: install
-	$(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
+	$(PY) -m autograder.gpu_check $(GPU_CHECK_ARGS)
 
 # ---------------------------------------------------------------- instructors (docs/instructor.md)
 # make lab-instructor               JupyterLab with nbgrader's tools (Formgrader, Create Assignment)

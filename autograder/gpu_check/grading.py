@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from ..registry import REPO
+
 ASSIGNMENTS = {"a1_data_parallel": "data_parallel.ipynb", "a2_ddp": "ddp.ipynb",
                "a3_model_pipeline": "model_pipeline.ipynb"}
 SPEED = re.compile(r"speedup|bandwidth|scaling")  # the names of the grader's speed checks
