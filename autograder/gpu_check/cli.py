@@ -35,15 +35,13 @@ import sys
 import time
 from pathlib import Path
 
-from ..registry import REPO
+from ..registry import ASSIGNMENTS, REPO
 
 SECTIONS = {"start": "Start-up", "lessons": "Lessons in quick mode", "grading": "Grading",
             "nccl": "A2 on an NCCL process group", "torchrun": "torchrun with NCCL",
             "launch": "course.launch with CUDA ranks", "bandwidth": "Allreduce bandwidth"}
 LESSONS = sorted((REPO / "course" / "lessons").glob("*.ipynb"))
-NOTEBOOKS = [REPO / d / a / n for d in ("solutions", "assignments") for a, n in (
-    ("a1_data_parallel", "data_parallel.ipynb"), ("a2_ddp", "ddp.ipynb"),
-    ("a3_model_pipeline", "model_pipeline.ipynb"))]
+NOTEBOOKS = [a.source for a in ASSIGNMENTS.values()] + [a.release for a in ASSIGNMENTS.values()]
 
 
 def child_env() -> dict:
