@@ -46,6 +46,9 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("tp", "autograder.bench.tp",
               "A5 / lesson 13: dense vs tensor-parallel vs data-parallel MLP block, time and "
               "bytes sent (torch's own TP, no solution needed)"),
+    Benchmark("grading", "autograder.bench.grading",
+              "the grader: seconds to grade each assignment's reference and stub, processes "
+              "started, slowest checks; table into docs/benchmarks.md"),
 ]}
 
 USAGE = """\
