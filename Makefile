@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PORT   ?= 8888
 
-.PHONY: install lab lab-instructor test test-all grade bench student-edition clean
+.PHONY: install lab lab-instructor test test-all grade bench bench-grading student-edition clean
 
 install: $(STAMP)
 
@@ -42,12 +42,18 @@ test-all: install
 grade: install
 	$(PY) -m autograder grade $(NB)
 
-# Measure the reference solutions on this machine (DDP weak scaling, ring vs all_reduce), then
-# dense vs tensor-parallel vs data-parallel MLP blocks on 2 and 4 processes (A5, lesson 13;
-# torch's own TP, no solution needed). BENCH_TP_ARGS="--hidden 256 512" for fewer sizes.
+# Benchmarks (docs/benchmarks.md; `python -m autograder.bench` lists them all). `make bench`:
+# A2's reference on this machine (DDP weak scaling, ring vs all_reduce), then dense vs
+# tensor-parallel vs data-parallel MLP blocks on 2 and 4 processes (A5, lesson 13; torch's own
+# TP, no solution needed). BENCH_TP_ARGS="--hidden 256 512" for fewer sizes.
 bench: install
-	$(PY) -m autograder.bench $(BENCH_ARGS)
-	$(PY) -m autograder.bench_tp $(BENCH_TP_ARGS)
+	$(PY) -m autograder.bench a2_ddp $(BENCH_ARGS)
+	$(PY) -m autograder.bench tp $(BENCH_TP_ARGS)
+
+# Grading time of every assignment's reference and stub, processes started, slowest checks;
+# the table goes into docs/benchmarks.md. BENCH_GRADING_ARGS="--repeats 1 --speed skip --assignment a1".
+bench-grading: install
+	$(PY) -m autograder.bench grading $(BENCH_GRADING_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
@@ -58,7 +64,7 @@ clean:
 # docs/gpu-report.md (README, "GPU verification"). GPU_CHECK_ARGS="--only lessons,grading".
 .PHONY: gpu-check
 gpu-check: install
-	$(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
+	$(PY) -m autograder.gpu_check $(GPU_CHECK_ARGS)
 
 # ---------------------------------------------------------------- instructors (docs/instructor.md)
 # make lab-instructor               JupyterLab with nbgrader's tools (Formgrader, Create Assignment)

@@ -1,4 +1,4 @@
-"""The tensor-parallel benchmark (``python -m autograder.bench_tp``) counts what it claims: the
+"""The tensor-parallel benchmark (``python -m autograder.bench tp``) counts what it claims: the
 bytes each rank hands to collectives per step, forward and backward, against the formulas of
 lesson 13 (TP: one all-reduce of a (tokens, d) activation each way; DP: all the gradients once)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 @pytest.mark.slow
 def test_bench_tp_counts_the_bytes_of_tp_and_dp(tmp_path):
-    from autograder import bench_tp
+    from autograder.bench import tp as bench_tp
 
     d, tokens = 16, 8
     rows = bench_tp.measure([2], [d], tokens, warmup=0, repeats=1, timeout=240.0)

@@ -1,4 +1,4 @@
-"""``make gpu-check`` (scripts/gpu_check.py) without a GPU: it says so, runs only its start-up
+"""``make gpu-check`` (``python -m autograder.gpu_check``) without a GPU: it says so, runs only its start-up
 checks and exits 0; and the parts that a GPU run relies on work and can fail here on CPU:
 the per-cell CUDA probe of the lessons, the judging of Assignment 2's functions, the report.
 
@@ -17,17 +17,16 @@ from pathlib import Path
 import nbformat
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+from autograder.gpu_check import report as gpu_check_report
 
-import gpu_check_report  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+COMMAND = [sys.executable, "-m", "autograder.gpu_check"]
 
 
 def test_cpu_mode_says_no_gpu_runs_start_up_checks_and_exits_zero(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # CPU mode even on a GPU machine
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--out",
-                           str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([*COMMAND, "--out", str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "No CUDA GPU found" in proc.stdout
     report = json.loads((tmp_path / "gpu-report.json").read_text())
@@ -44,8 +43,7 @@ def test_cpu_mode_says_no_gpu_runs_start_up_checks_and_exits_zero(tmp_path):
 
 
 def test_unknown_section_is_refused(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--out",
-                           str(tmp_path), "--only", "lessons,nonsense"], cwd=REPO,
+    proc = subprocess.run([*COMMAND, "--out", str(tmp_path), "--only", "lessons,nonsense"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "nonsense" in proc.stderr
 
@@ -77,7 +75,7 @@ def test_lesson_probe_counts_cells_ranks_timings_and_the_failing_cell(tmp_path, 
     """A small notebook through the lessons' runner: no cell uses CUDA here (even on a GPU
     machine: nothing in it asks for CUDA), the launched rank reports back, the printed timing
     is kept, and the failing cell is named with its index in the file."""
-    import gpu_check_lessons
+    from autograder.gpu_check import lessons as gpu_check_lessons
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     nb = nbformat.v4.new_notebook(cells=[
@@ -104,8 +102,8 @@ def test_a2_judging_passes_the_reference_and_fails_planted_bugs():
     functions pass (all but the set-up line, which wants NCCL), broken ones fail."""
     import torch.distributed as dist
 
-    import gpu_check_distributed
-    import gpu_check_ranks
+    from autograder.gpu_check import distributed as gpu_check_distributed
+    from autograder.gpu_check import ranks as gpu_check_ranks
 
     fns = gpu_check_distributed.a2_reference_functions()
     broken = {**fns,
@@ -132,7 +130,7 @@ def _result(name, status, message="", points=1.0):
 
 
 def test_grading_judge_wants_full_solutions_and_stubs_that_are_only_unimplemented():
-    import gpu_check_grading as g
+    from autograder.gpu_check import grading as g
 
     def report(*results, rc=0):
         scored = [r for r in results if r["status"] != "skipped"]
@@ -154,3 +152,11 @@ def test_grading_judge_wants_full_solutions_and_stubs_that_are_only_unimplemente
     broken = report(_result("a", "failed", "your notebook's code could not be loaded: No module named x"))
     assert g.judge(broken, "stub")[0] is False  # zero, but because grading broke
     assert g.judge(report(_result("a", "passed")), "stub")[0] is False
+
+
+def test_the_student_edition_leaves_the_gpu_check_out():
+    """It grades and executes the reference solutions, which the edition does not have."""
+    from autograder.integrations.edition import wanted
+
+    for name in ("__init__.py", "__main__.py", "cli.py", "ranks.py", "report.py"):
+        assert not wanted(f"autograder/gpu_check/{name}"), name

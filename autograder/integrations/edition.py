@@ -6,9 +6,10 @@ It holds what students need and nothing that gives answers away:
   the self-check grader (``autograder/`` with its checks), ``README.md`` (with a note on what
   this edition lacks), ``Makefile``, ``pyproject.toml``, ``docker/`` and ``docs/``;
 - out: ``solutions/`` (the reference), ``nbgrader_config.py`` (it points at solutions/), ``tests/`` (they grade
-  the reference solutions), ``docs/instructor.md``, ``autograder/bench_memory.py`` (its own
-  bucketed all-reduce and ZeRO byte accounting are Assignment 4's answers), ``docker/compose.reference.yaml``, CI
-  files and hidden files.
+  the reference solutions), ``docs/instructor.md``, ``autograder/bench/a4_sharding.py`` (its own
+  bucketed all-reduce and ZeRO byte accounting are Assignment 4's answers),
+  ``autograder/gpu_check/`` (``make gpu-check`` grades and executes the reference solutions),
+  ``docker/compose.reference.yaml``, CI files and hidden files.
 
 Files come from ``git ls-files`` (what is committed or staged, as it is in the working tree), so
 untracked junk never ships (``--include-untracked`` adds new files git does not ignore, to try
@@ -38,7 +39,8 @@ INCLUDE = {"course", "autograder", "assignments", "docker", "docs", "README.md",
            "pyproject.toml", ".gitignore", "LICENSE", "LICENSE.md", "LICENSE.txt"}
 #: Inside those, never (glob patterns on the path relative to the repository).
 NEVER = ["docs/instructor*", "docker/compose.reference.yaml",
-         "autograder/bench_memory.py"]  # holds A4-like code: bucketing, ZeRO accounting
+         "autograder/bench/a4_sharding.py",  # holds A4-like code: bucketing, ZeRO accounting
+         "autograder/gpu_check/*"]  # needs solutions/ (as scripts/, where it was, never shipped)
 KEEP_DOTFILES = {".gitignore"}
 
 NOTE = """\

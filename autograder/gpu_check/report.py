@@ -93,7 +93,7 @@ def markdown(report: Report) -> str:
     gpus = env.get("gpus") or []
     model = ", ".join(sorted({g["name"] for g in gpus})) if gpus else "no CUDA GPU"
     lines = [f"# GPU verification report: {model}", "",
-             f"Made by `make gpu-check` (`scripts/gpu_check.py`) on {report.date}, host "
+             f"Made by `make gpu-check` (`python -m autograder.gpu_check`) on {report.date}, host "
              f"`{report.host}`.", ""]
     if not report.gpu_found:
         lines += ["**No CUDA GPU was found on this machine.** Only the start-up checks ran (the "

@@ -1,4 +1,4 @@
-"""``python -m autograder.bench_memory [--procs N] [--repeats R] [--out DIR]``: the figures
+"""``python -m autograder.bench a4_sharding [--procs N] [--repeats R] [--out DIR]``: the figures
 behind Assignment 4 (module 4: memory and sharding), measured on this machine.
 
 1. **Memory per rank** of one model trained with AdamW (fp32) under DDP (ZeRO stage 0),
@@ -21,9 +21,7 @@ the processes, and the step times with them.
 """
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -225,12 +223,9 @@ def step_time_rank(rank: int, world_size: int, repeats: int):
 
 
 def plot(memory: dict, times: dict, out: Path, procs: int) -> Path:
-    import matplotlib
+    from .common import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, 4))
+    fig, (ax_mem, ax_time) = pyplot().subplots(1, 2, figsize=(12, 4))
     names = list(memory)
     for k, part in enumerate(("parameters", "gradients", "optimizer state")):
         bottoms = [sum(memory[n]["measured"][q] for q in ("parameters", "gradients", "optimizer state")[:k])
@@ -246,28 +241,22 @@ def plot(memory: dict, times: dict, out: Path, procs: int) -> Path:
     ax_time.set_ylabel("ms per step (median, slowest rank)")
     ax_time.set_title(f"gradient averaging, {SMALL_DEPTH * 2 + 1} layers of width {SMALL_WIDTH}", fontsize=10)
     ax_time.tick_params(axis="x", labelrotation=20, labelsize=8)
-    fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "bench_memory.png"
-    fig.savefig(path, dpi=120)
-    return path
+    return save(fig, out / "bench_memory.png")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m autograder.bench_memory", description=__doc__.split("\n\n")[0])
+    from .common import header, parser
+
+    p = parser("a4_sharding", __doc__.split("\n\n")[0], repeats=10, out="bench_memory.png")
     p.add_argument("--procs", type=int, default=2, help="ranks (CPU processes on gloo)")
-    p.add_argument("--repeats", type=int, default=10, help="timed steps per way (median)")
-    p.add_argument("--out", default="bench_results", help="folder for bench_memory.png")
     args = p.parse_args(argv)
 
-    from course.devices import hardware_summary
     from course.launch import launch
 
-    from .checking.reference import reference_cells
+    from ..checking.reference import reference_cells
 
-    print(f"Hardware: {hardware_summary()}")
-    print(f"{args.procs} CPU processes on gloo, 1 thread each; load average now "
-          f"{os.getloadavg()[0]:.1f} (other programs take cores away from the processes)\n")
+    header(f"{args.procs} CPU processes on gloo, 1 thread each")
+    print()
     try:
         a4_cells = reference_cells(ASSIGNMENT)
     except KeyError:  # Assignment 4 is not registered in this copy yet

@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from ..registry import REPO
+
 A2_SOLUTION = REPO / "solutions" / "a2_ddp" / "ddp.ipynb"
 A2_FUNCTIONS = ("average_gradients", "ring_allreduce", "make_dataloader", "train_ddp")
 BANDWIDTH_SIZES = [4 ** k for k in range(5, 13)]  # 1K .. 16M float32 elements
@@ -40,13 +41,14 @@ def a2_reference_functions(path: Path = A2_SOLUTION) -> dict:
 
 def nccl_a2(section, gpus: int) -> None:
     """A2's functions on an NCCL group of one GPU (world size 1) and, with 2+ GPUs, of all."""
-    import gpu_check_ranks
     from course.launch import launch
+
+    from . import ranks
 
     fns = a2_reference_functions()
     for world in sorted({1, gpus}):
         try:
-            result = launch(gpu_check_ranks.rank_a2_checks, world, fns,
+            result = launch(ranks.rank_a2_checks, world, fns,
                             backend="nccl", timeout=300, collective_timeout=60, quiet=True)
         except Exception as exc:
             section.add(f"NCCL, world size {world}", "failed", f"{type(exc).__name__}: {str(exc)[-800:]}")
@@ -59,7 +61,7 @@ def nccl_a2(section, gpus: int) -> None:
                                                           for r, v in enumerate(verdicts) if not v[0]))
     section.notes.append("Assignment 2's reference functions, executed from "
                          "solutions/a2_ddp/ddp.ipynb, run on course.launch ranks on NCCL and are "
-                         "judged by the checks of scripts/gpu_check_ranks.py (the grader's own A2 "
+                         "judged by the checks of autograder/gpu_check/ranks.py (the grader's own A2 "
                          "checks use NCCL only with 2 or more GPUs).")
 
 
@@ -92,8 +94,9 @@ def launch_cuda_ranks(section, gpus: int) -> None:
     each way ranks start; and, for contrast, what a plain fork of that parent gets."""
     import torch
 
-    import gpu_check_ranks as ranks
     from course.launch import launch
+
+    from . import ranks
 
     torch.zeros(1, device="cuda")  # the parent has initialised CUDA, as a notebook would have
     cases = [("forkserver", gpus, "nccl"), ("exec", gpus, "nccl"), ("forkserver", gpus + 1, "gloo")]
@@ -132,12 +135,13 @@ def launch_cuda_ranks(section, gpus: int) -> None:
 
 def bandwidth(section, gpus: int) -> None:
     """The reference ring and dist.all_reduce by message size on all GPUs (NCCL)."""
-    import gpu_check_ranks
     from course.launch import launch
+
+    from . import ranks
 
     ring = a2_reference_functions()["ring_allreduce"]
     try:
-        per_rank = launch(gpu_check_ranks.rank_bandwidth, gpus, ring, BANDWIDTH_SIZES,
+        per_rank = launch(ranks.rank_bandwidth, gpus, ring, BANDWIDTH_SIZES,
                           2, 10, backend="nccl", timeout=600, collective_timeout=120, quiet=True)
     except Exception as exc:
         section.add("ring and all_reduce bandwidth", "failed", f"{type(exc).__name__}: {str(exc)[-800:]}")

@@ -4,7 +4,7 @@ reference functions on NCCL, CUDA work in launched ranks, and allreduce timings.
 This module is imported by name in every rank (``course.launch`` gives the ranks the parent's
 module path), so it imports torch and the course toolkit only. Every function returns plain
 data; the parent judges it. Assignment 2's functions arrive as arguments, executed from the
-solution notebook by the parent (see :mod:`gpu_check_distributed`).
+solution notebook by the parent (see :mod:`.distributed`).
 """
 from __future__ import annotations
 

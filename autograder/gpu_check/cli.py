@@ -1,25 +1,26 @@
 """``make gpu-check``: run every GPU path of the course and the grader on this machine, and
 write what happened to ``gpu-report.md`` and ``gpu-report.json``.
 
-    python scripts/gpu_check.py [--out build/gpu-check] [--only lessons,grading,...]
+    python -m autograder.gpu_check [--out build/gpu-check] [--only lessons,grading,...]
 
-Sections, in order (each its own module beside this one):
+Sections, in order (the modules of this package):
 
 - ``start``: the command can start here: imports, the grader's CLI, the Jupyter kernel,
   torchrun, the notebooks. Always run; the only section run without a GPU;
 - ``lessons``: every lesson notebook in quick mode with nbclient, recording which cells used
-  CUDA and the lines they printed with a timing (:mod:`gpu_check_lessons`);
+  CUDA and the lines they printed with a timing (:mod:`.lessons`);
 - ``grading``: every assignment's solution and stub through ``python -m autograder grade``,
-  speed checks as the GPU count allows (:mod:`gpu_check_grading`);
+  speed checks as the GPU count allows (:mod:`.grading`);
 - ``nccl``: Assignment 2's reference functions on an NCCL group of one GPU (world size 1);
 - ``torchrun``: ``course/scripts/ddp_train.py`` under torchrun with NCCL, one rank per GPU;
 - ``launch``: ``course.launch`` ranks that each use CUDA, from a parent that initialised CUDA;
 - ``bandwidth``: A2's reference ring and ``dist.all_reduce`` by message size on the GPUs
-  (:mod:`gpu_check_distributed` for these four).
+  (:mod:`.distributed` for these four).
 
 Without a CUDA GPU it says so, runs ``start`` only and exits 0 if that passed. With one, it
-exits 1 if anything that should work on this hardware failed. The top level of this file stays
-light: ranks started by a fork server run it again (guarded by ``__main__``).
+exits 1 if anything that should work on this hardware failed. ``__main__.py`` only calls
+:func:`main`: ranks started by a fork server or a fresh interpreter import the main module
+again, so it must do nothing else at import.
 """
 from __future__ import annotations
 
@@ -34,19 +35,13 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-for _path in (str(REPO), str(HERE)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+from ..registry import ASSIGNMENTS, REPO
 
 SECTIONS = {"start": "Start-up", "lessons": "Lessons in quick mode", "grading": "Grading",
             "nccl": "A2 on an NCCL process group", "torchrun": "torchrun with NCCL",
             "launch": "course.launch with CUDA ranks", "bandwidth": "Allreduce bandwidth"}
 LESSONS = sorted((REPO / "course" / "lessons").glob("*.ipynb"))
-NOTEBOOKS = [REPO / d / a / n for d in ("solutions", "assignments") for a, n in (
-    ("a1_data_parallel", "data_parallel.ipynb"), ("a2_ddp", "ddp.ipynb"),
-    ("a3_model_pipeline", "model_pipeline.ipynb"))]
+NOTEBOOKS = [a.source for a in ASSIGNMENTS.values()] + [a.release for a in ASSIGNMENTS.values()]
 
 
 def child_env() -> dict:
@@ -98,8 +93,8 @@ def start_checks(section, out: Path) -> None:
     import importlib.util
 
     for module in ("course.launch", "course.devices", "course.data", "course.timing",
-                   "cloudpickle", "gpu_check_lessons", "gpu_check_grading",
-                   "gpu_check_distributed", "gpu_check_ranks"):
+                   "cloudpickle", "autograder.gpu_check.lessons", "autograder.gpu_check.grading",
+                   "autograder.gpu_check.distributed", "autograder.gpu_check.ranks"):
         try:
             __import__(module)
             section.add(f"import {module}", "passed")
@@ -141,14 +136,14 @@ def start_checks(section, out: Path) -> None:
 
 def lessons(section) -> None:
     """Every lesson in quick mode; which cells used CUDA; the timings they printed."""
-    import gpu_check_lessons
+    from . import lessons as runner
 
     saved = dict(os.environ)
     os.environ.update(child_env())  # the kernels inherit this process's environment
     try:
         for path in LESSONS:
             print(f"  lesson {path.stem} ...", flush=True)
-            r = gpu_check_lessons.run_lesson(path)
+            r = runner.run_lesson(path)
             ok = r["error"] is None and r["cells_run"] == r["code_cells"]
             section.add(path.stem, "passed" if ok else "failed",
                         r["error"] or f"{len(r['cuda_cells'])} of {r['code_cells']} code cells used CUDA",
@@ -161,18 +156,18 @@ def lessons(section) -> None:
         os.environ.update(saved)
     section.notes.append("CUDA use is measured, not guessed: the CUDA allocator's allocation "
                          "count in the kernel and in every course.launch rank, before and after "
-                         "each cell (scripts/gpu_check_lessons.py). Cells are numbered as in the "
+                         "each cell (autograder/gpu_check/lessons.py). Cells are numbered as in the "
                          "lesson file, from 0, markdown cells included.")
 
 
 def run_section(key: str, section, gpus: int, out: Path) -> None:
-    import gpu_check_distributed as dist_checks
-    import gpu_check_grading
+    from . import distributed as dist_checks
+    from . import grading
 
     if key == "lessons":
         lessons(section)
     elif key == "grading":
-        gpu_check_grading.run(section, out, child_env())
+        grading.run(section, out, child_env())
     elif key == "nccl":
         dist_checks.nccl_a2(section, gpus)
     elif key == "torchrun":
@@ -184,7 +179,7 @@ def run_section(key: str, section, gpus: int, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="scripts/gpu_check.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m autograder.gpu_check", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=REPO / "build" / "gpu-check",
                    help="folder for gpu-report.md, gpu-report.json and the grader's reports")
     p.add_argument("--only", help=f"comma-separated sections of {', '.join(list(SECTIONS)[1:])} "
@@ -195,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown section(s): {', '.join(sorted(unknown))}")
 
-    from gpu_check_report import Report, Section, write
+    from .report import Report, Section, write
 
     env = environment()
     gpus = env["gpu count"]

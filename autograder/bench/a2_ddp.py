@@ -1,5 +1,5 @@
-"""``python -m autograder.bench [--max-procs N] [--out DIR]``: what Assignment 2's reference
-solution achieves on this machine.
+"""``python -m autograder.bench a2_ddp [--max-procs N] [--ring-procs N] [--repeats R] [--out DIR]``:
+what Assignment 2's reference solution achieves on this machine (``make bench`` runs it).
 
 Measures, with the reference ``train_ddp`` and ``ring_allreduce`` of ``solutions/a2_ddp`` (so
 it needs the instructor's repository) and the same ranks as the grader's speed checks
@@ -20,8 +20,6 @@ cores away from the processes, and the numbers with them.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -32,11 +30,11 @@ RING_SIZES = [4 ** k for k in range(5, 13)]  # 1K .. 16M elements
 
 def reference_functions() -> dict:
     """The reference solution's cells, executed here; exits with a message without them."""
-    from .checking.reference import reference_cells, reference_namespace
+    from ..checking.reference import reference_cells, reference_namespace
 
     cells = reference_cells(ASSIGNMENT)
     if cells is None:
-        sys.exit("autograder.bench needs the reference solution in solutions/a2_ddp "
+        sys.exit("the a2_ddp benchmark needs the reference solution in solutions/a2_ddp "
                  "(the instructor's repository), which this copy does not have.")
     return reference_namespace(cells)
 
@@ -44,21 +42,18 @@ def reference_functions() -> dict:
 def default_max_procs() -> int:
     from course.devices import gpu_count
 
-    if gpu_count() >= 2:
-        return gpu_count()
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return os.cpu_count() or 1
+    from .common import cores
+
+    return gpu_count() if gpu_count() >= 2 else cores()
 
 
 def weak_scaling(train_ddp, max_procs: int, *, repeats: int, seed: int = 0) -> list[dict]:
     """One row per process count: median seconds of a train_ddp call on every rank, examples
     per second, speedup over 1 process."""
-    from .assignments.a2_ddp.checks import scaling_args
-    from .assignments.a2_ddp.ranks import train_server
-    from .checking.ranks import RankServer
-    from .checking.speed import timed
+    from ..assignments.a2_ddp.checks import scaling_args
+    from ..assignments.a2_ddp.ranks import train_server
+    from ..checking.ranks import RankServer
+    from ..checking.speed import timed
     from course.devices import gpu_count
 
     backend = "nccl" if gpu_count() >= max_procs >= 2 else "gloo"
@@ -84,9 +79,9 @@ def ring_bandwidth(ring_allreduce, procs: int, sizes, *, warmup: int, repeats: i
     all_reduce's."""
     import torch
 
-    from .assignments.a2_ddp.ranks import ring_input, ring_server
-    from .checking.ranks import RankServer
-    from .checking.speed import timed
+    from ..assignments.a2_ddp.ranks import ring_input, ring_server
+    from ..checking.ranks import RankServer
+    from ..checking.speed import timed
 
     server = RankServer(ring_server, ring_allreduce, procs, 0, list(sizes))
     times: dict[int, dict[str, list]] = {}
@@ -113,20 +108,16 @@ def ring_bandwidth(ring_allreduce, procs: int, sizes, *, warmup: int, repeats: i
 
 def plot(scaling: list[dict], bandwidth: list[dict], out: Path, where: str,
          ring_procs: int) -> list[Path]:
-    import matplotlib
+    from .common import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "weak_scaling.png", out / "allreduce_bandwidth.png"]
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     procs = [r["processes"] for r in scaling]
     ax.plot(procs, [r["speedup"] for r in scaling], marker="o", label="reference train_ddp")
     ax.plot(procs, procs, linestyle="--", color="gray", label="ideal")
     ax.set_xlabel("processes"); ax.set_ylabel("speedup (examples/s vs 1 process)")
     ax.set_title(f"weak scaling ({where})", fontsize=9); ax.legend()
-    fig.tight_layout(); fig.savefig(paths[0], dpi=120); plt.close(fig)
+    paths = [save(fig, out / "weak_scaling.png")]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     sizes = [r["elements"] for r in bandwidth]
     for key, label in (("ring_s", "reference ring_allreduce"), ("all_reduce_s", "dist.all_reduce")):
@@ -134,33 +125,26 @@ def plot(scaling: list[dict], bandwidth: list[dict], out: Path, where: str,
     ax.set_xscale("log"); ax.set_yscale("log")
     ax.set_xlabel("tensor size (float32 elements)"); ax.set_ylabel("GB/s (tensor bytes / time)")
     ax.set_title(f"allreduce on {ring_procs} processes ({where})", fontsize=9); ax.legend()
-    fig.tight_layout(); fig.savefig(paths[1], dpi=120); plt.close(fig)
-    return paths
+    return paths + [save(fig, out / "allreduce_bandwidth.png")]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m autograder.bench",
-        description="What Assignment 2's reference solution achieves on this machine: weak "
-                    "scaling of train_ddp and allreduce bandwidth by message size.")
+    from .common import header, parser, where as runs_on
+
+    p = parser("a2_ddp", "What Assignment 2's reference solution achieves on this machine: weak "
+                         "scaling of train_ddp and allreduce bandwidth by message size.", repeats=5)
     p.add_argument("--max-procs", type=int, default=None,
                    help="weak scaling on 1..N processes (default: GPUs if 2 or more, else CPU cores)")
     p.add_argument("--ring-procs", type=int, default=2, help="processes of the bandwidth runs (2)")
-    p.add_argument("--out", default="bench_results", help="folder for the PNG plots")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median)")
     args = p.parse_args(argv)
-
-    from course.devices import gpu_count, hardware_summary
 
     ns = reference_functions()
     max_procs = args.max_procs or default_max_procs()
-    where = ("GPUs on NCCL" if gpu_count() >= max(max_procs, args.ring_procs)
-             else "CPU processes on gloo, 1 thread each")
-    print(f"Hardware: {hardware_summary()}")
-    print(f"Processes: {where}; load average now {os.getloadavg()[0]:.1f} "
-          f"(other programs running take cores away from the processes)\n")
+    where = runs_on(max(max_procs, args.ring_procs))
+    header(where)
+    print()
 
-    from .assignments.a2_ddp.checks import SCALING_BATCH, SCALING_EPOCHS, SCALING_STEPS
+    from ..assignments.a2_ddp.checks import SCALING_BATCH, SCALING_EPOCHS, SCALING_STEPS
 
     scaling = weak_scaling(ns["train_ddp"], max_procs, repeats=args.repeats)
     print(f"Weak scaling of train_ddp (the grader's small CNN, {SCALING_BATCH} examples per "
