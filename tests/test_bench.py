@@ -67,6 +67,7 @@ def test_the_registry_refuses_what_it_cannot_run(tiny, capsys):
     assert "no_such_module_here is not in this copy" in capsys.readouterr().err
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_a_real_benchmark_runs_through_the_registry(tmp_path):
     """tp, as small as it goes: the registry's command, the shared header and plot."""
@@ -145,6 +146,7 @@ def test_the_shipped_doc_has_the_markers_once():
     assert text.index(grading.BEGIN) < text.index(grading.END)
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_grading_benchmark_table_for_a1(tmp_path, capsys):
     """One round of A1 (the cheapest): the reference full, the stub zero, real processes and

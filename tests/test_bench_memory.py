@@ -10,6 +10,7 @@ from autograder.bench import a4_sharding as bench_memory
 from course.launch import launch
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_fsdp_and_ddp_bytes_per_rank_match_the_accounting():
     """FSDP2 on 2 ranks: every parameter's dim 0 is even, so its shards are exactly half."""
@@ -20,6 +21,7 @@ def test_fsdp_and_ddp_bytes_per_rank_match_the_accounting():
             assert row == bench_memory.zero_bytes(num_params, 2, bench_memory.STAGES[method]), method
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_bucketed_and_overlapped_averaging_equal_per_parameter_all_reduce():
     ranks = launch(bench_memory.step_time_rank, 2, 1, backend="gloo", quiet=True)

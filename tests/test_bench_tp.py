@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_bench_tp_counts_the_bytes_of_tp_and_dp(tmp_path):
     from autograder.bench import tp as bench_tp

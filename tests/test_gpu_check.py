@@ -70,6 +70,7 @@ def test_report_fails_only_on_failed_items(tmp_path):
         s.add("x", "ok")
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_lesson_probe_counts_cells_ranks_timings_and_the_failing_cell(tmp_path, monkeypatch):
     """A small notebook through the lessons' runner: no cell uses CUDA here (even on a GPU
