@@ -88,3 +88,19 @@ def test_no_lesson_writes_a4s_functions():
         code = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
         for name in names:
             assert not re.search(rf"^\s*(def|class)\s+{name}\b", code, flags=re.MULTILINE), (path.name, name)
+
+
+def test_no_lesson_wraps_blocks_the_way_a4_part_7_asks():
+    """A4 Part 7 asks for FSDP2 per block with a mixed-precision policy, the last block kept
+    unsharded after forward and HSDP on a 2-D mesh: lesson 11 teaches these APIs on one unit at
+    the root, never inside a loop over blocks (which would be Part 7's answer)."""
+    for path in LESSONS:
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type != "code":
+                continue
+            for loop in re.finditer(r"^(\s*)for (.*):\n((?:\1\s+.*\n?)+)", cell.source,
+                                    flags=re.MULTILINE):
+                header, body = loop.group(2), loop.group(3)
+                over_blocks = re.search(r"children|modules|blocks|layers|\bmodel\b", header)
+                if over_blocks and "fully_shard(" in body:
+                    assert not re.search(r"mp_policy\s*=|reshard_after_forward\s*=", body), (path.name, body)
