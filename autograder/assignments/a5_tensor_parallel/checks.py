@@ -29,7 +29,6 @@ ASSIGNMENT = SPEC.assignment
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
 
-
 def _helpers(name):
     helpers = SPEC.function(name).helpers
     return reference_cells(ASSIGNMENT, ["setup", *helpers]) if helpers else None
@@ -382,7 +381,7 @@ def _cc_cases(student):
 def _judge_block(case, key, y, xg, where, seed):
     what = f"{where}: cross_check(mlp, group)[{key!r}]"
     _close(case[key]["output"], y, f"{what}'s output (a plain tensor, vs the dense block)", seed)
-    _close(case[key]["grad"], xg, f"{what}: the gradient of its input", seed)
+    _judge_grads(case[key]["grad"], [xg], ["its input"], what, seed)
 
 
 @graded

@@ -250,7 +250,7 @@ def _run_block(block, x, upstream, group) -> dict:
     with traffic_on_groups({"group": group}) as backward:
         if type(plain) is torch.Tensor and plain.shape == upstream.shape:
             (y * upstream).sum().backward()
-    return {"output": describe(plain), "grad": describe(_waited(x.grad)),
+    return {"output": describe(plain), "grad": describe([_waited(x.grad)]),
             "forward": forward["group"], "backward": backward["group"]}
 
 
