@@ -5,7 +5,10 @@ Every grading run starts several 4-process runs, so bugs that break different fu
 planted together: ``ParallelMLP``, ``train_2d`` and ``cross_check`` are graded with the
 reference layers, so bugs in ``ColumnParallelLinear`` and ``RowParallelLinear`` cost only their
 own points, and a bug in ``train_2d`` only its own. The rank-reversed slices, which leave every
-block's output right, get a run of their own restricted to the two layers.
+block's output right, get a run of their own restricted to the two layers (and cross_check, with
+a bug of its own); the bugs that only the later rules catch (a dense layer changed by
+from_linear, 3-D inputs only, an all-gather's output, the sequence-parallel layout, an error on
+the ranks) get one more run.
 """
 from __future__ import annotations
 
@@ -42,14 +45,59 @@ BUGS = {
 }
 # rank r takes the slice of rank n - 1 - r in both layers (_my_slice is in Part 1's cell and
 # used by both): every block still equals the dense one, only per-rank checks see it
-REVERSED_SLICES = {"ColumnParallelLinear": (
-    "    n, r = dist.get_world_size(group), dist.get_rank(group)\n",
-    "    n = dist.get_world_size(group)\n    r = n - 1 - dist.get_rank(group)\n")}
+REVERSED_SLICES = {
+    "ColumnParallelLinear": (
+        "    n, r = dist.get_world_size(group), dist.get_rank(group)\n",
+        "    n = dist.get_world_size(group)\n    r = n - 1 - dist.get_rank(group)\n"),
+    # parallelize_module on mlp itself, not on a deep copy: the blocks are right, mlp is not
+    "cross_check": ("\"sequence_parallel\": parallelize_module(copy.deepcopy(mlp), mesh, rows)",
+                    "\"sequence_parallel\": parallelize_module(mlp, mesh, rows)"),
+}
+# Bugs that only the rules added later catch, one grading run (--only their functions).
+NEW_RULES = {
+    # from_linear freezes the dense layer: every slice, output and gradient stays right; only
+    # the check that the dense layer is unchanged after from_linear sees it
+    "ColumnParallelLinear": (
+        "        rows = _my_slice(linear.out_features, group)\n",
+        "        rows = _my_slice(linear.out_features, group)\n"
+        "        linear.requires_grad_(False)  # the dense layer is not trained any more\n"),
+    # (batch, sequence, features) inputs only: right on 3-D inputs, fails on 4-D ones
+    "RowParallelLinear": (
+        "        y = _ReduceFromGroup.apply(F.linear(x, self.weight), self.group)\n",
+        "        y = _ReduceFromGroup.apply(torch.einsum(\"bsi,oi->bso\", x, self.weight),\n"
+        "                                   self.group)\n"),
+    # each rank's (max, sum of exponentials) all-gathered and merged: right values, 3 x batch
+    # elements in (passes a bound on inputs alone) but n x 2 x batch + batch out
+    "vocab_parallel_cross_entropy": (
+        "        top = logits.max(dim=-1).values\n"
+        "        if dist.get_world_size(group) > 1:\n"
+        "            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)\n",
+        "        own = logits.max(dim=-1).values\n"
+        "        stats = torch.stack([own, (logits - own[:, None]).exp().sum(dim=-1)])\n"
+        "        ranks = dist.get_world_size(group)\n"
+        "        every = stats.new_empty((ranks * 2, batch))\n"
+        "        dist.all_gather_into_tensor(every, stats, group=group)\n"
+        "        every = every.view(ranks, 2, batch)\n"
+        "        top = every[:, 0].max(dim=0).values\n"
+        "        total = (every[:, 1] * (every[:, 0] - top).exp()).sum(dim=0)\n"),
+    # the sequence-parallel block's output left replicated (all tokens on every rank)
+    "cross_check": ("RowwiseParallel(output_layouts=Shard(0))", "RowwiseParallel()"),
+    # an error on the ranks (train_2d runs on 2 and 4 processes only): the message names it
+    "train_2d": ("        loss.backward()\n",
+                 "        loss.backward()\n        optimizer = None\n        optimizer.step()\n"),
+}
+# the all-gather bug's sums: the merged sum of exponentials, the target's logit all-reduced
+NEW_RULES_SECOND = ("        sums = _all_reduce(torch.stack([exp.sum(dim=-1), picked]), group)\n",
+                    "        sums = torch.stack([total, _all_reduce(picked, group)])\n")
 
 
-def write(tmp_path, name, bugs):
+def write(tmp_path, name, bugs, *more):
+    """The reference with ``bugs`` planted (and each further ``(function, (old, new))``)."""
     path = tmp_path / f"{name}.ipynb"
-    nbformat.write(plant_bugs(nbformat.read(SOURCE, as_version=4), bugs), path)
+    nb = plant_bugs(nbformat.read(SOURCE, as_version=4), bugs)
+    for function, bug in more:
+        plant_bugs(nb, {function: bug})
+    nbformat.write(nb, path)
     return path
 
 
@@ -85,12 +133,48 @@ def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path)
 
 @pytest.mark.slow
 def test_rank_reversed_slices_lose_both_layers_points(offline_env, tmp_path):
-    layers = ("ColumnParallelLinear", "RowParallelLinear")
-    report = grade(write(tmp_path, "reversed", REVERSED_SLICES), "--only", ",".join(layers),
+    """Reversed slices cost both layers all their points; cross_check changing mlp in place
+    (its blocks right) loses the point of the check that mlp is unchanged, not the other."""
+    graded = ("ColumnParallelLinear", "RowParallelLinear", "cross_check")
+    report = grade(write(tmp_path, "reversed", REVERSED_SLICES), "--only", ",".join(graded),
                    env=offline_env)
     assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    assert {r["function"] for r in report["results"]} == set(layers)
+    assert {r["function"] for r in report["results"]} == set(graded)
     points = points_by_function(report)
     assert points["ColumnParallelLinear"] == points["RowParallelLinear"] == 0, report["stdout"]
-    assert all(r["status"] == "failed" and r["message"] for r in report["results"]), \
-        report["stdout"]
+    assert all(r["status"] == "failed" and r["message"] for r in report["results"]
+               if r["function"] != "cross_check"), report["stdout"]
+    status = {r["name"]: r for r in report["results"] if r["function"] == "cross_check"}
+    assert status["cross_check_sequence_parallel_block"]["status"] == "passed", report["stdout"]
+    changed = status["cross_check_ours_and_torch_equal_the_dense_block"]
+    assert changed["status"] == "failed" and "leave mlp unchanged" in changed["message"], changed
+
+
+@pytest.mark.slow
+def test_bugs_only_the_later_rules_catch(offline_env, tmp_path):
+    """A dense layer changed by from_linear, a layer right on 3-D inputs only, an all-gather
+    whose output grows with the ranks, a sequence-parallel block that returns every token, an
+    error on the ranks: each loses its function's points (only the checks it breaks, where it
+    leaves the others right), with a message that says why."""
+    path = write(tmp_path, "later", NEW_RULES, ("vocab_parallel_cross_entropy", NEW_RULES_SECOND))
+    report = grade(path, "--only", ",".join(NEW_RULES), env=offline_env)
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    print(report["stdout"])
+    assert {r["function"] for r in report["results"]} == set(NEW_RULES)
+    failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
+    assert all(failed.values()), failed
+    assert set(failed) == {
+        "column_parallel_slices_shapes_and_errors",           # only the dense layer changed
+        "row_parallel_slices_shapes_and_errors", "row_parallel_outputs_and_gradients",
+        "vocab_parallel_cross_entropy_communication_bound",  # values right, output too big
+        "cross_check_sequence_parallel_block",
+        "train_2d_two_by_two_matches_dense_training", "train_2d_one_by_two_and_two_by_one",
+        "train_2d_uses_the_tp_groups"}, report["stdout"]
+    assert "from_linear must leave `linear` unchanged" in failed[
+        "column_parallel_slices_shapes_and_errors"]
+    assert "einsum" in failed["row_parallel_outputs_and_gradients"]
+    assert "gave back" in failed["vocab_parallel_cross_entropy_communication_bound"]
+    assert "has shape" in failed["cross_check_sequence_parallel_block"]
+    rank_failure = failed["train_2d_two_by_two_matches_dense_training"]
+    assert "with 4 processes, rank" in rank_failure and "'NoneType' object has no attribute " \
+        "'step'" in rank_failure, rank_failure

@@ -85,14 +85,18 @@ def collectives_counted(fn):
 
 
 @contextlib.contextmanager
-def traffic_on_groups(groups: dict, *, new_groups: bool = False):
+def traffic_on_groups(groups: dict, *, new_groups: bool = False, outputs: bool = False):
     """While inside, every collective issued on one of ``groups`` (``{key: ProcessGroup or
     None}``, None = the default group) is noted in the yielded ``{key: [(op, elements)]}``:
     its name (``ALLREDUCE``, ``ALLGATHER``, ...) and the elements of its input tensors. Counted
     by a pre-hook on each group, which sees every call on that group (plain, functional or
     DTensor collectives, in forward or in backward) and only those. With ``new_groups``, each
     group created inside (``new_group``, ``split_group``: what ``init_device_mesh`` calls) is
-    watched from its creation, under the key ``tuple(its global ranks)``."""
+    watched from its creation, under the key ``tuple(its global ranks)``. With ``outputs``,
+    each note is ``(op, input elements, output elements)``, because a bound on inputs alone
+    misses what grows with the group (an all-gather outputs n times its input); an in-place
+    collective (all_reduce, broadcast, reduce: the hook sees no output tensors) outputs its
+    input."""
     import torch.distributed.device_mesh as device_mesh
     import torch.distributed.distributed_c10d as c10d
 
@@ -109,7 +113,10 @@ def traffic_on_groups(groups: dict, *, new_groups: bool = False):
             op = getattr(args.name, "name", str(args.name))
             if op in _HOOKED_COLLECTIVES:
                 elements = sum(t.numel() for t in args.input_tensors)
-                traffic.setdefault(key, []).append((op, elements))
+                out = (sum(t.numel() for t in args.output_tensors) if args.output_tensors
+                       else elements)
+                traffic.setdefault(key, []).append((op, elements, out) if outputs
+                                                   else (op, elements))
         hook_id = _HOOK_ID + 1 + len(hooked)
         group.register_pre_hook(hook_id, hook)
         hooked.append((group, hook_id))

@@ -2,10 +2,11 @@
 
 Written from ``assignments/a5_tensor_parallel/tensor_parallel.ipynb`` (its set-up cell imports
 ``copy``, ``torch``, ``dist``, ``F``, ``nn``, ``DeviceMesh``, ``init_device_mesh``,
-``ColwiseParallel``, ``RowwiseParallel``, ``parallelize_module``, ``launch``), not from the
-reference solution: if it loses points, the text (or a check) asks for something it does not
-say. Keys are the answer cells' grade ids. Deliberately other choices than the reference's:
-list all-gathers, dtype set after construction, three all-reduces in the loss, torch.optim.SGD.
+``Replicate``, ``Shard``, ``ColwiseParallel``, ``RowwiseParallel``, ``parallelize_module``,
+``launch``), not from the reference solution: if it loses points, the text (or a check) asks
+for something it does not say. Keys are the answer cells' grade ids. Deliberately other
+choices than the reference's: list all-gathers, dtype set after construction, three
+all-reduces in the loss, torch.optim.SGD, explicit layouts on both of PyTorch's blocks.
 '''
 
 ANSWERS = {
@@ -249,13 +250,18 @@ def train_2d(model_fn, data, *, dp, tp, steps, lr):
     return losses, state
 ''',
     "cross_check": '''\
-def cross_check(mlp, x, group=None):
-    mine = ParallelMLP.from_mlp(mlp, group)(x)
-    pg = group if group is not None else dist.group.WORLD
-    mesh = DeviceMesh.from_group(pg, "cpu")
-    other = parallelize_module(copy.deepcopy(mlp), mesh,
-                               {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    theirs = other(x)
-    return mine, theirs
+def cross_check(mlp, group=None):
+    mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, "cpu")
+
+    def torch_copy(layout):
+        """A parallelized deep copy whose input arrives, and output leaves, as `layout`."""
+        plan = {"0": ColwiseParallel(input_layouts=layout),
+                "2": RowwiseParallel(output_layouts=layout)}
+        return parallelize_module(copy.deepcopy(mlp), mesh, plan)
+
+    blocks = {"tensor_parallel": torch_copy(Replicate()),
+              "sequence_parallel": torch_copy(Shard(0))}  # rows = tokens = dim 0
+    blocks["ours"] = ParallelMLP.from_mlp(mlp, group)
+    return blocks
 ''',
 }

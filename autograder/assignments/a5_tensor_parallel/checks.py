@@ -29,7 +29,6 @@ ASSIGNMENT = SPEC.assignment
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
 
-
 def _helpers(name):
     helpers = SPEC.function(name).helpers
     return reference_cells(ASSIGNMENT, ["setup", *helpers]) if helpers else None
@@ -83,31 +82,57 @@ def _dense(module, x, upstream):
 
 # ---------------------------------------------------------------------------- the two layers
 
-def _layer_expectation(seed, column):
-    fin, fout = (R.IN, R.HIDDEN) if column else (R.HIDDEN, R.OUT)
+def _sizes(column):
+    return (R.IN, R.HIDDEN) if column else (R.HIDDEN, R.OUT)
+
+
+def _layer_expectation(seed, column, leading):
+    fin, fout = _sizes(column)
     linear = R.dense_linear(seed, fin, fout)
-    y, xg = _dense(linear, R.randn(seed + 2, *R.LEADING, fin), R.randn(seed + 1, *R.LEADING, fout))
+    y, xg = _dense(linear, *R.layer_inputs(seed, leading, fin, fout))
     return linear, y, xg
+
+
+def _judge_dense_unchanged(run, linear, name, what):
+    """``from_linear`` leaves the dense layer as it was (the text: values, shapes, dtype and
+    requires_grad of its parameters; the grader builds several layers from one dense layer)."""
+    after = run["dense_after"]
+    want = dict(linear.named_parameters())
+    assert isinstance(after, dict) and set(after) == set(want), (
+        f"{what}: after {name}.from_linear(linear, ...), the dense layer's parameters are "
+        f"{sorted(after) if isinstance(after, dict) else after}, not {sorted(want)}: "
+        "from_linear must leave `linear` unchanged")
+    for key, p in want.items():
+        desc = after[key]
+        _close(desc["value"], p.detach(), f"{what}: the dense layer's {key} after "
+               f"{name}.from_linear(linear, ...) (from_linear must leave `linear` unchanged)",
+               None, rtol=0, atol=0)
+        assert desc["requires_grad"] is True, (
+            f"{what}: {name}.from_linear(linear, ...) set requires_grad=False on the dense "
+            f"layer's {key}: from_linear must leave `linear` unchanged")
 
 
 def _judge_slices(student, name, column):
     seed, cases = _run_of(student, name)
-    linear, _, _ = _layer_expectation(seed, column)
+    linear = R.dense_linear(seed, *_sizes(column))
     W, b = linear.weight.detach(), linear.bias.detach()
+    flag = "gather_output" if column else "input_is_parallel"
     for world, rank, label, n, r, case in cases:
         where = _where(world, rank, label, n, r)
         c = R.HIDDEN // n  # both layers split the hidden features
         part = slice(r * c, (r + 1) * c)
         want = {"weight": W[part], "bias": b[part]} if column else {"weight": W[:, part], "bias": b}
-        for mode, run in case["runs"].items():
+        for call, run in enumerate(case["runs"], 1):
+            what = f"{where}, call {call} of from_linear on one dense layer ({flag}={run['mode']})"
+            _judge_dense_unchanged(run, linear, name, what)
             params = run["params"]
             assert isinstance(params, dict) and set(params) == {"weight", "bias"}, (
-                f"{where}: from_linear should give parameters named weight and bias, got "
+                f"{what}: from_linear should give parameters named weight and bias, got "
                 f"{sorted(params) if isinstance(params, dict) else params}")
             for key, w in want.items():
-                _close(params[key], w, f"{where}: {name}.from_linear(...)'s {key} (this "
+                _close(params[key], w, f"{what}: {name}.from_linear(...)'s {key} (this "
                        "rank's slice of the dense layer's, float64 kept)", seed, rtol=0, atol=0)
-        fin, fout = (R.IN, R.HIDDEN) if column else (R.HIDDEN, R.OUT)
+        fin, fout = _sizes(column)
         local = (c, fin) if column else (fout, c)
         expected = {True: {"weight": local, "bias": (c,) if column else (fout,)},
                     False: {"weight": local}}
@@ -122,20 +147,22 @@ def _judge_slices(student, name, column):
 
 def _judge_layer_runs(student, name, column):
     seed, cases = _run_of(student, name)
-    linear, y, xg = _layer_expectation(seed, column)
-    Wg, bg = linear.weight.grad, linear.bias.grad
+    expected = {tuple(leading): _layer_expectation(seed, column, leading)
+                for leading in R.LAYER_LEADINGS}
     for world, rank, label, n, r, case in cases:
         where = _where(world, rank, label, n, r)
         part = slice(r * (R.HIDDEN // n), (r + 1) * (R.HIDDEN // n))
-        for mode, run in case["runs"].items():
+        for run in case["runs"]:
+            mode, leading = run["mode"], tuple(run["leading"])
+            linear, y, xg = expected[leading]
+            Wg, bg = linear.weight.grad, linear.bias.grad
+            dims = f"a {len(leading) + 1}-D input {(*leading, _sizes(column)[0])}"
             if column:
-                what = f"{where}, gather_output={mode}"
-                want_y, want_x = (y if mode else y[..., part]), xg
-                want = [want_x, Wg[part], bg[part]]
+                what = f"{where}, gather_output={mode}, {dims}"
+                want_y, want = (y if mode else y[..., part]), [xg, Wg[part], bg[part]]
             else:
-                what = f"{where}, input_is_parallel={mode}"
-                want_y, want_x = y, (xg[..., part] if mode else xg)
-                want = [want_x, Wg[:, part], bg]
+                what = f"{where}, input_is_parallel={mode}, {dims}"
+                want_y, want = y, [xg[..., part] if mode else xg, Wg[:, part], bg]
             _close(run["output"], want_y, f"{what}: the output", seed)
             _judge_grads(run["grads"], want, ["the input", "weight", "bias"], what, seed)
 
@@ -247,16 +274,19 @@ def test_vocab_parallel_cross_entropy_stable_at_large_logits(student):
 @graded
 def test_vocab_parallel_cross_entropy_communication_bound(student):
     for world, rank, label, n, r, case in _judge_ce(student, (1,)):  # right results first
-        if n < 2:
+        if n < 2 or case["case"] != 1:  # the case with 16 classes per rank, as the text says
             continue
         batch = R.CE_CASES[case["case"]][0]
         where = f"{_where(world, rank, label, n, r)}, batch {batch}"
-        traffic = case["traffic"]
-        sent = sum(e for key in traffic for _, e in traffic[key])
-        assert sent <= 4 * batch, (
-            f"{where}: one call (and its backward) gave its collectives {sent} elements as "
-            f"input in total; at most 4 x batch = {4 * batch} are allowed, whatever the "
-            f"vocabulary ({n * R.CE_CASES[case['case']][1]} classes here)")
+        calls = [call for key in case["traffic"] for call in case["traffic"][key]]
+        listed = ", ".join(f"{op} ({x} in, {y} out)" for op, x, y in calls)
+        for i, verb in ((1, "took"), (2, "gave back")):
+            total = sum(call[i] for call in calls)
+            assert total <= 4 * batch, (
+                f"{where}: the collectives of one call and its backward {verb} {total} "
+                f"elements in total ({listed}); at most 4 x batch = {4 * batch} are allowed "
+                f"each way, whatever the vocabulary ({n * R.CE_CASES[case['case']][1]} classes "
+                "here) and the number of ranks (an all-gather gives back n times its input)")
 
 
 # ---------------------------------------------------------------------------- train_2d
@@ -331,14 +361,66 @@ def test_train_2d_uses_the_tp_groups(student):
 
 # ---------------------------------------------------------------------------- cross_check
 
-@graded
-def test_cross_check_both_equal_the_dense_block(student):
+def _cc_cases(student):
+    """cross_check's run, with what every key's block must give: the dense block's output and
+    input gradient (all tokens; this rank's rows for the sequence-parallel block)."""
     seed, cases = _run_of(student, "cross_check")
-    y = R.dense_mlp(seed)(R.randn(seed + 1, 4, R.IN)).detach()
+    mlp = R.dense_mlp(seed)
+    y, xg = _dense(mlp, *R.cc_inputs(seed))
     for world, rank, label, n, r, case in cases:
         where = _where(world, rank, label, n, r)
-        outputs = case["outputs"]
-        assert outputs.get("kind") in ("list", "tuple") and len(outputs["items"]) == 2, \
-            f"{where}: cross_check should return a pair of tensors"
-        for item, name in zip(outputs["items"], ("ParallelMLP", "parallelize_module")):
-            _close(item, y, f"{where}: the output of {name} (vs the dense block)", seed)
+        keys = case["keys"]
+        assert keys is not None and set(R.CC_KEYS) <= set(keys), (
+            f"{where}: cross_check should return a dict with the keys {list(R.CC_KEYS)} (each "
+            f"an nn.Module); got {keys if keys is not None else 'something else'}")
+        for key in R.CC_KEYS:
+            assert key in case, f"{where}: cross_check(...)[{key!r}] is not callable"
+    return seed, cases, mlp, y, xg
+
+
+def _judge_block(case, key, y, xg, where, seed):
+    what = f"{where}: cross_check(mlp, group)[{key!r}]"
+    _close(case[key]["output"], y, f"{what}'s output (a plain tensor, vs the dense block)", seed)
+    _judge_grads(case[key]["grad"], [xg], ["its input"], what, seed)
+
+
+@graded
+def test_cross_check_ours_and_torch_equal_the_dense_block(student):
+    seed, cases, mlp, y, xg = _cc_cases(student)
+    for world, rank, label, n, r, case in cases:
+        where = _where(world, rank, label, n, r)
+        after = case["mlp_after"]
+        assert isinstance(after, dict) and set(after) == set(dict(mlp.named_parameters())), (
+            f"{where}: cross_check changed mlp's parameters (to {sorted(after)}); "
+            "it must leave mlp unchanged (parallelize_module changes the module it is given)")
+        for key, p in mlp.named_parameters():
+            got = after[key]["value"]
+            assert got.get("kind") == "tensor", (
+                f"{where}: after cross_check, mlp's {key} is a {got.get('type')}: cross_check "
+                "must leave mlp unchanged (parallelize_module changes the module it is given)")
+            assert after[key]["requires_grad"] is True, (
+                f"{where}: cross_check set requires_grad=False on mlp's {key}: it must leave "
+                "mlp unchanged")
+            _close(got, p.detach(), f"{where}: mlp's {key} after cross_check (it must leave "
+                   "mlp unchanged)", seed, rtol=0, atol=0)
+        for key in ("ours", "tensor_parallel"):
+            _judge_block(case, key, y, xg, where, seed)
+
+
+@graded
+def test_cross_check_sequence_parallel_block(student):
+    seed, cases, _, y, xg = _cc_cases(student)
+    for world, rank, label, n, r, case in cases:
+        where = _where(world, rank, label, n, r)
+        rows = slice(r * (R.TOKENS // n), (r + 1) * (R.TOKENS // n))
+        block = case["sequence_parallel"]
+        _judge_block(case, "sequence_parallel", y[rows], xg[rows],
+                     f"{where}, given rows {rows.start}..{rows.stop - 1} of the tokens", seed)
+        if n < 2:  # counts matter for right results only, on groups of 2 or more
+            continue
+        for phase in ("forward", "backward"):
+            ops = sorted(_ops(block[phase], where))
+            assert ops == ["ALLGATHER", "REDUCE_SCATTER"], (
+                f"{where}: the sequence-parallel block's {phase} pass issued "
+                f"{ops or 'no collectives'} on the group; expected one all-gather and one "
+                "reduce-scatter (and no all-reduce)")

@@ -22,6 +22,8 @@ from autograder.checking.probes import describe
 F64 = torch.float64
 #: Layer sizes: divisible by 1, 2 and 4 ranks where they are split.
 IN, HIDDEN, OUT, LEADING = 5, 8, 6, (3, 2)
+#: The leading dimensions of the layers' inputs: "any leading dimensions", tried 3-D and 4-D.
+LAYER_LEADINGS = ((3, 2), (2, 1, 3))
 
 
 def randn(seed: int, *shape, dtype=F64) -> torch.Tensor:
@@ -100,6 +102,34 @@ def _run_layer(layer, x, upstream) -> dict:
             "grads": _grads(x, getattr(layer, "weight", None), getattr(layer, "bias", None))}
 
 
+def _dense_state(linear) -> dict:
+    """What must stay as it was in the dense layer after each ``from_linear``."""
+    return {name: {"value": describe(p.detach()), "requires_grad": bool(p.requires_grad)}
+            for name, p in linear.named_parameters()}
+
+
+def layer_inputs(seed: int, leading, fin: int, fout: int):
+    """``(x, upstream)`` of a layer run: the full input and dL/d(full output), the same on
+    every rank (the grader rebuilds them for the dense layer)."""
+    return randn(seed + 2, *leading, fin), randn(seed + 1, *leading, fout)
+
+
+def _layer_runs(layer_of, linear, modes, local_input, local_upstream, fin, fout, seed):
+    """One run per mode and leading shape, every layer built by ``layer_of(mode)`` from the
+    same dense ``linear`` (the grader calls ``from_linear`` more than once on one dense layer,
+    as the text says), with the dense layer's state noted after each call."""
+    runs = []
+    for mode in modes:
+        for leading in LAYER_LEADINGS:
+            layer = layer_of(mode)
+            dense_after = _dense_state(linear)
+            x, upstream = layer_inputs(seed, leading, fin, fout)
+            x = local_input(x, mode).clone().requires_grad_()
+            runs.append({"mode": mode, "leading": leading, "dense_after": dense_after,
+                         **_run_layer(layer, x, local_upstream(upstream, mode))})
+    return runs
+
+
 def _shapes_and_errors(make, make_indivisible, n: int) -> dict:
     """The parameter shapes of ``make(bias)`` with and without bias, and what constructing a
     layer whose split dimension ``n`` does not divide raises (asked only when n > 1)."""
@@ -112,18 +142,15 @@ def rank_column(rank, world_size, cls, seed):
     out = []
     for label, group, n, _ in groups_of(rank, world_size):
         linear = dense_linear(seed, IN, HIDDEN)
-        upstream = randn(seed + 1, *LEADING, HIDDEN)  # dL/d(full output), the same everywhere
-        r = dist.get_rank(group)
-        case = {"label": label, "runs": {}}
-        for gather in (False, True):
-            layer = cls.from_linear(linear, group, gather_output=gather)
-            x = randn(seed + 2, *LEADING, IN).requires_grad_()
-            c = HIDDEN // n
-            g = upstream if gather else upstream[..., r * c:(r + 1) * c]
-            case["runs"][gather] = _run_layer(layer, x, g)
-        case.update(_shapes_and_errors(lambda bias: cls(IN, HIDDEN, bias=bias, group=group),
-                                       lambda: cls(IN, 2 * n + 1, group=group), n))
-        out.append(case)
+        r, c = dist.get_rank(group), HIDDEN // n
+        mine = slice(r * c, (r + 1) * c)
+        runs = _layer_runs(
+            lambda gather: cls.from_linear(linear, group, gather_output=gather),
+            linear, (False, True), lambda x, gather: x,
+            lambda up, gather: up if gather else up[..., mine], IN, HIDDEN, seed)
+        out.append({"label": label, "runs": runs, **_shapes_and_errors(
+            lambda bias: cls(IN, HIDDEN, bias=bias, group=group),
+            lambda: cls(IN, 2 * n + 1, group=group), n)})
     return out
 
 
@@ -131,17 +158,15 @@ def rank_row(rank, world_size, cls, seed):
     out = []
     for label, group, n, _ in groups_of(rank, world_size):
         linear = dense_linear(seed, HIDDEN, OUT)
-        upstream = randn(seed + 1, *LEADING, OUT)
         r, c = dist.get_rank(group), HIDDEN // n
-        case = {"label": label, "runs": {}}
-        for parallel in (True, False):
-            layer = cls.from_linear(linear, group, input_is_parallel=parallel)
-            full = randn(seed + 2, *LEADING, HIDDEN)
-            x = (full[..., r * c:(r + 1) * c] if parallel else full).clone().requires_grad_()
-            case["runs"][parallel] = _run_layer(layer, x, upstream)
-        case.update(_shapes_and_errors(lambda bias: cls(HIDDEN, OUT, bias=bias, group=group),
-                                       lambda: cls(2 * n + 1, OUT, group=group), n))
-        out.append(case)
+        mine = slice(r * c, (r + 1) * c)
+        runs = _layer_runs(
+            lambda parallel: cls.from_linear(linear, group, input_is_parallel=parallel),
+            linear, (True, False), lambda x, parallel: x[..., mine] if parallel else x,
+            lambda up, parallel: up, HIDDEN, OUT, seed)
+        out.append({"label": label, "runs": runs, **_shapes_and_errors(
+            lambda bias: cls(HIDDEN, OUT, bias=bias, group=group),
+            lambda: cls(2 * n + 1, OUT, group=group), n)})
     return out
 
 
@@ -186,7 +211,7 @@ def rank_cross_entropy(rank, world_size, fn, seed):
             c = case[1]
             logits, targets = ce_inputs(seed + i, case, n * c)
             local = logits[:, r * c:(r + 1) * c].clone().requires_grad_()
-            with traffic_on_groups({"group": group, "world": None}) as traffic:
+            with traffic_on_groups({"group": group, "world": None}, outputs=True) as traffic:
                 loss = fn(local, targets.clone(), group)
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:
                     loss.backward()
@@ -205,14 +230,47 @@ def _waited(t):
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
+#: Tokens of cross_check's input, divisible by 1, 2 and 4 ranks (the sequence-parallel split).
+TOKENS = 8
+CC_KEYS = ("ours", "tensor_parallel", "sequence_parallel")
+
+
+def cc_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full ``(tokens, features)`` input and dL/d(full output), the same on every rank."""
+    return randn(seed + 1, TOKENS, IN), randn(seed + 2, TOKENS, IN)
+
+
+def _run_block(block, x, upstream, group) -> dict:
+    """Forward ``x`` (requires grad), backward ``upstream`` where the output is a plain tensor
+    of its shape; the collectives on ``group`` of each pass."""
+    x = x.clone().requires_grad_()
+    with traffic_on_groups({"group": group}) as forward:
+        y = block(x)
+        plain = _waited(y)
+    with traffic_on_groups({"group": group}) as backward:
+        if type(plain) is torch.Tensor and plain.shape == upstream.shape:
+            (y * upstream).sum().backward()
+    return {"output": describe(plain), "grad": describe([_waited(x.grad)]),
+            "forward": forward["group"], "backward": backward["group"]}
+
+
 def rank_cross_check(rank, world_size, fn, seed):
+    """The three blocks of ``fn(mlp, group)`` on each group: ``ours`` and ``tensor_parallel``
+    on the full input, every rank backpropagating the same loss; ``sequence_parallel`` on this
+    rank's rows, each rank backpropagating its rows' share of that loss."""
     out = []
-    for label, group, _, _ in groups_of(rank, world_size):
-        x = randn(seed + 1, 4, IN)
-        outputs = fn(dense_mlp(seed), x.clone(), group)
-        if isinstance(outputs, (tuple, list)):  # parallelize_module's local outputs may be
-            outputs = [_waited(t) for t in outputs]  # still in flight (AsyncCollectiveTensor)
-        out.append({"label": label, "outputs": describe(outputs)})
+    for label, group, n, r in groups_of(rank, world_size):
+        mlp = dense_mlp(seed)
+        blocks = fn(mlp, group)
+        case = {"label": label, "mlp_after": _dense_state(mlp),
+                "keys": sorted(map(str, blocks)) if isinstance(blocks, dict) else None}
+        if isinstance(blocks, dict) and all(callable(blocks.get(k)) for k in CC_KEYS):
+            x, upstream = cc_inputs(seed)
+            rows = slice(r * (TOKENS // n), (r + 1) * (TOKENS // n))
+            for key in CC_KEYS:
+                part = rows if key == "sequence_parallel" else slice(None)
+                case[key] = _run_block(blocks[key], x[part], upstream[part], group)
+        out.append(case)
     return out
 
 

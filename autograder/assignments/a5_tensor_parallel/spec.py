@@ -18,7 +18,7 @@ SPEC = Spec(
         Function("ParallelMLP", ("mlp", "group"), helpers=LAYERS),
         Function("vocab_parallel_cross_entropy", ("local_logits", "targets", "group")),
         Function("train_2d", ("model_fn", "data"), helpers=("ParallelMLP", *LAYERS)),
-        Function("cross_check", ("mlp", "x", "group"), helpers=("ParallelMLP", *LAYERS)),
+        Function("cross_check", ("mlp", "group"), helpers=("ParallelMLP", *LAYERS)),
     ),
     checks=(
         Check("column_parallel_slices_shapes_and_errors", "ColumnParallelLinear", 1, timeout=120),
@@ -36,7 +36,9 @@ SPEC = Spec(
         Check("train_2d_two_by_two_matches_dense_training", "train_2d", 2, timeout=150),
         Check("train_2d_one_by_two_and_two_by_one", "train_2d", 2, timeout=150),
         Check("train_2d_uses_the_tp_groups", "train_2d", 1, timeout=150),
-        Check("cross_check_both_equal_the_dense_block", "cross_check", 2, timeout=120),
+        Check("cross_check_ours_and_torch_equal_the_dense_block", "cross_check", 1,
+              timeout=120),
+        Check("cross_check_sequence_parallel_block", "cross_check", 1, timeout=120),
     ),
     # DTensor's first operation imports torch._dynamo (seconds in every rank of every run)
     rank_modules=("torch.distributed.tensor", "torch.distributed.tensor.parallel",
