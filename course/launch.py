@@ -119,6 +119,27 @@ def _fork_server_context():
     return context
 
 
+def pickler_keeping_filenames():
+    """cloudpickle's Pickler class (a notebook's functions and classes by value), except that
+    code objects keep their file names. cloudpickle 3 writes every code object it pickles by
+    value with the file name "<dynamic-code>" (``_code_reduce`` in cloudpickle/cloudpickle.py,
+    for deterministic pickles), so a rank's traceback would not name the cell or file where
+    the failing line is. marshal keeps a code object whole, and every rank runs this same
+    interpreter."""
+    import marshal
+    import types
+    from collections import ChainMap
+
+    import cloudpickle
+
+    class Pickler(cloudpickle.Pickler):
+        dispatch_table = ChainMap(
+            {types.CodeType: lambda code: (marshal.loads, (marshal.dumps(code),))},
+            cloudpickle.Pickler.dispatch_table)
+
+    return Pickler
+
+
 def start_fork_server() -> bool:
     """Start the fork server now, without waiting for its imports, so that they overlap with
     whatever this process does next (the grader's sandbox calls it before it imports torch and
@@ -237,7 +258,9 @@ def _launch(fn, world_size, args, backend, timeout, threads, collective_timeout,
         print(f"[launch] {world_size} CPU process(es) on gloo, standing in for GPUs "
               f"({os.cpu_count()} core(s), {threads} thread(s) each)", flush=True)
     with tempfile.TemporaryDirectory(prefix="launch-") as tmp:
-        Path(tmp, "payload.pkl").write_bytes(cloudpickle.dumps((fn, args)))
+        payload = io.BytesIO()
+        pickler_keeping_filenames()(payload).dump((fn, args))
+        Path(tmp, "payload.pkl").write_bytes(payload.getvalue())
         child_env = {**os.environ, **(env or {}),
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                      "WORLD_SIZE": str(world_size), "LAUNCH_BACKEND": backend,

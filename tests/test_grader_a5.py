@@ -178,3 +178,6 @@ def test_bugs_only_the_later_rules_catch(offline_env, tmp_path):
     rank_failure = failed["train_2d_two_by_two_matches_dense_training"]
     assert "with 4 processes, rank" in rank_failure and "'NoneType' object has no attribute " \
         "'step'" in rank_failure, rank_failure
+    # the student's cell and line, as a one-process failure shows them (line 26 of the cell is
+    # `loss.backward()`; the planted `optimizer.step()` is two lines below)
+    assert "in cell train_2d, line 28" in rank_failure, rank_failure

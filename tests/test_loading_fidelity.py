@@ -147,6 +147,24 @@ def test_ranks_start_from_the_namespace_as_loaded():
         as_loaded.record({})
 
 
+def test_a_failure_on_a_rank_shows_the_cell_and_line():
+    """A rank's failure names the student's cell and line, as a one-process failure does."""
+    from autograder.checking import as_loaded
+    from autograder.checking.ranks import run_ranks
+
+    ns = {"__name__": "__student_test__"}
+    source = "def broken(rank, world_size):\n    x = None\n    return x.step()\n"
+    exec(compile(source, "<cell broken>", "exec", dont_inherit=True), ns)
+    as_loaded.record(ns)
+    try:
+        with pytest.raises(RuntimeError) as failure:
+            run_ranks(ns["broken"], 2)
+    finally:
+        as_loaded.record({})
+    assert "'NoneType' object has no attribute 'step'" in str(failure.value)
+    assert "in cell broken, line 3" in str(failure.value), str(failure.value)
+
+
 # ------------------------------------------------------------ every reference, written that way
 
 PREAMBLE = """\

@@ -42,6 +42,20 @@ _shallow: dict[str, object] = {}           # name -> a shallow copy of its conte
 _overrides: dict[str, object] = {}         # name -> the reference's object, while in place
 
 
+def _pickler_class():
+    """The launcher's pickler: functions and classes of the notebook by value, code objects
+    with their file names (so a rank's traceback names the student's cell and line)."""
+    from course.launch import pickler_keeping_filenames
+
+    return pickler_keeping_filenames()
+
+
+def _dumps(obj, pickler=None) -> bytes:
+    buf = io.BytesIO()
+    (pickler or _pickler_class())(buf).dump(obj)
+    return buf.getvalue()
+
+
 def _student_names(ns: dict) -> dict[str, object]:
     return {n: v for n, v in ns.items()
             if not (n.startswith("__") and n.endswith("__")) and n != "get_ipython"}
@@ -70,27 +84,25 @@ def record(ns: dict) -> list[str]:
     model built at the top of a cell), which runs send as it is then, so that every run does
     not ship it."""
     global _live, _at_load, _loaded, _snapshot
-    import cloudpickle
-
     _live = ns
     objects = _student_names(ns)
     _at_load = dict(objects)
     left_out: list[str] = []
     try:
-        _snapshot = cloudpickle.dumps(objects)
+        _snapshot = _dumps(objects)
     except Exception:  # noqa: BLE001 - find the culprits below
         _snapshot = None
     if _snapshot is None or len(_snapshot) > LARGE:
         for name, value in list(objects.items()):
             try:
-                too_large = len(cloudpickle.dumps(value)) > LARGE
+                too_large = len(_dumps(value)) > LARGE
             except Exception:  # noqa: BLE001
                 too_large = True
             if too_large:
                 left_out.append(name)
                 del objects[name]
         try:
-            _snapshot = cloudpickle.dumps(objects)
+            _snapshot = _dumps(objects)
         except Exception:  # noqa: BLE001 - only together unpicklable: runs use live objects
             _snapshot, objects = None, {}
     _loaded = objects
@@ -137,19 +149,15 @@ def changed_since_load() -> bool:
 def dumps(obj) -> bytes:
     """``obj`` pickled for a run: objects of the namespace as loaded travel as references
     into the snapshot (which goes along), everything else by value."""
-    import cloudpickle
-
     by_id = {id(v): n for n, v in (_loaded or {}).items() if not isinstance(v, _ATOMS)}
 
-    class _Pickler(cloudpickle.Pickler):
+    class _Pickler(_pickler_class()):
         def persistent_id(self, value):
             name = by_id.get(id(value))
             return name if name is not None and _loaded[name] is value else None
 
-    buf = io.BytesIO()
-    _Pickler(buf).dump(obj)
-    overrides = cloudpickle.dumps(dict(_overrides)) if _overrides else None
-    return pickle.dumps((_snapshot, overrides, buf.getvalue()))
+    overrides = _dumps(dict(_overrides)) if _overrides else None
+    return pickle.dumps((_snapshot, overrides, _dumps(obj, _Pickler)))
 
 
 def loads(data: bytes):
