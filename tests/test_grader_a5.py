@@ -117,6 +117,7 @@ def test_released_stubs_score_zero_with_readable_messages(offline_env):
     assert_stubs_score_zero(report)
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path):
     """Four bugs in four functions, in one grading run: each of the four loses points (the
@@ -131,6 +132,7 @@ def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path)
     assert "the loss (vs F.cross_entropy" in messages   # the local maximum
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_rank_reversed_slices_lose_both_layers_points(offline_env, tmp_path):
     """Reversed slices cost both layers all their points; cross_check changing mlp in place
@@ -150,6 +152,7 @@ def test_rank_reversed_slices_lose_both_layers_points(offline_env, tmp_path):
     assert changed["status"] == "failed" and "leave mlp unchanged" in changed["message"], changed
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_bugs_only_the_later_rules_catch(offline_env, tmp_path):
     """A dense layer changed by from_linear, a layer right on 3-D inputs only, an all-gather
