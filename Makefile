@@ -61,7 +61,7 @@ clean:
 # Every GPU path of the course and the grader on this machine: report in build/gpu-check/
 # (gpu-report.md and .json); exit 1 if something that should work here failed. Without a GPU
 # it says so and runs only its start-up checks. On a GPU machine, commit the report as
-# docs/gpu-report.md (README, "GPU verification"). GPU_CHECK_ARGS="--only lessons,grading".
+# docs/gpu-report.md (docs/gpu-check.md). GPU_CHECK_ARGS="--only lessons,grading".
 .PHONY: gpu-check
 gpu-check: install
 	$(PY) -m autograder.gpu_check $(GPU_CHECK_ARGS)

@@ -3,7 +3,7 @@ checks and exits 0; and the parts that a GPU run relies on work and can fail her
 the per-cell CUDA probe of the lessons, the judging of Assignment 2's functions, the report.
 
 The GPU sections themselves need a GPU: ``make gpu-check`` on a GPU machine runs them and
-writes docs/gpu-report.md (README, "GPU verification").
+writes docs/gpu-report.md (docs/gpu-check.md).
 """
 from __future__ import annotations
 
