@@ -3,6 +3,8 @@
 Each case starts from the released notebook with the reference answers pasted in, changes
 one thing, grades it with the CLI in a fresh process, and asserts the exact grade per
 function and that no process the submission started is left behind.
+
+Tier: quick: the hostile submissions are the grader's first promise; every run keeps them.
 """
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """What the released assignment texts must (not) say: they cite lessons that exist, they do not
-hand out an answer another part asks for, and their code runs on every operating system."""
+hand out an answer another part asks for, and their code runs on every operating system.
+
+Tier: quick: reads the released texts, in seconds.
+"""
 from __future__ import annotations
 
 import re

@@ -2,7 +2,11 @@
 the gradebook; checks the machine could not judge, re-timed at the end and counted by one rule
 (issue 22 F). Fast tests replace the per-notebook grader by a stand-in (the folder logic is
 what they test); the slow tests grade real A1 notebooks (with --jobs 2 and sequentially; and
-on a machine shown no GPU, where A1's speedup check cannot be judged)."""
+on a machine shown no GPU, where A1's speedup check cannot be judged).
+
+Tier: both: the folder logic with a stand-in grader is quick; the real class gradings are full
+(minutes).
+"""
 from __future__ import annotations
 
 import csv

@@ -1,6 +1,10 @@
 """The benchmarks' registry (``python -m autograder.bench``) lists and runs what it names, the
 process counter of the grading benchmark counts a known tree exactly, and the grading benchmark
-writes its table (one cheap assignment, one round) between its markers and nowhere else."""
+writes its table (one cheap assignment, one round) between its markers and nowhere else.
+
+Tier: both: the registry and the process counter are quick; the grading benchmark's table is
+full (whole gradings).
+"""
 from __future__ import annotations
 
 import subprocess

@@ -1,7 +1,11 @@
 """The A4 benchmark (``python -m autograder.bench a4_sharding``) measures what it says: per-rank model-state bytes
 of real runs match the ZeRO accounting where the layout is exact, its own bucketed and
 overlapped gradient averaging give the per-parameter result, and the student edition leaves it
-out (it holds A4-like code)."""
+out (it holds A4-like code).
+
+Tier: both: that the student edition leaves the benchmark out is quick; its real runs on ranks
+are full.
+"""
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,9 @@
 """The tensor-parallel benchmark (``python -m autograder.bench tp``) counts what it claims: the
 bytes each rank hands to collectives per step, forward and backward, against the formulas of
-lesson 13 (TP: one all-reduce of a (tokens, d) activation each way; DP: all the gradients once)."""
+lesson 13 (TP: one all-reduce of a (tokens, d) activation each way; DP: all the gradients once).
+
+Tier: full: real runs of the TP benchmark on 2 ranks.
+"""
 from __future__ import annotations
 
 import pytest

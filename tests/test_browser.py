@@ -10,6 +10,9 @@ Needs the distribution's ``chromium`` and ``chromium-driver`` (``.ci/run`` insta
 where it can; Selenium Manager's downloads are never used) and ``selenium`` (the ``dev``
 extra); skipped with the reason otherwise. ``COURSE_CHROMIUM`` / ``COURSE_CHROMEDRIVER`` name
 other binaries.
+
+Tier: both: the lab's configuration per mode is quick; the real lab in headless Chromium is full
+(a minute, and the browser from apt).
 """
 from __future__ import annotations
 

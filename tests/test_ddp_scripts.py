@@ -2,6 +2,8 @@
 
 torchrun is the one next to this Python (the virtual environment's), never whatever is first
 on PATH; every run has a timeout, so a hanging rendezvous fails the test instead of the suite.
+
+Tier: both: the shell scripts' parsing is quick; torchrun training runs are full.
 """
 from __future__ import annotations
 

@@ -3,6 +3,8 @@ check the compose file's services, and prove the image's requirements come from 
 
 What needs an engine (building the image, GPUs in a container) is not run here; these tests
 check every file that goes into it and run its entrypoint the way the container would.
+
+Tier: both: the files' checks are quick; running the entrypoint's grading is full.
 """
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ no instructor tools), and that docs/instructor.md shows the commands `make docke
 
 The container checks themselves are in docker/smoke.py (`make docker-smoke`), which needs an
 engine.
+
+Tier: quick: file and make-variable checks, in seconds.
 """
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 The edition is graded with its own copy of the autograder: a bare virtual environment whose
 site-packages point at this one's (for torch & co.) but not at this project's editable install,
 so that the grader, its sandboxed workers and the check modules all come from the edition.
+
+Tier: both: the edition's contents are quick; grading with the edition's own venv is full.
 """
 from __future__ import annotations
 

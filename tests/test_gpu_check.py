@@ -4,6 +4,8 @@ the per-cell CUDA probe of the lessons, the judging of Assignment 2's functions,
 
 The GPU sections themselves need a GPU: ``make gpu-check`` on a GPU machine runs them and
 writes docs/gpu-report.md (docs/gpu-check.md).
+
+Tier: both: start-up and report checks are quick; the per-cell lesson probe is full.
 """
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """Assignment 1 through the CLI: the reference scores full, the stubs zero, each planted bug
-loses exactly the points of the function it breaks."""
+loses exactly the points of the function it breaks.
+
+Tier: both: reference full marks and stub zero are quick (one grading each); planted bugs and
+seed repeats are full.
+"""
 from __future__ import annotations
 
 import time

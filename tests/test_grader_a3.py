@@ -1,6 +1,10 @@
 """Assignment 3 through the CLI: the reference scores full, the stubs zero, each planted bug
 loses exactly the points of the function it breaks (and of that function's speedup, which
-counts only for correct code)."""
+counts only for correct code).
+
+Tier: both: reference full marks and stub zero are quick (one grading each); planted bugs are
+full.
+"""
 from __future__ import annotations
 
 import re

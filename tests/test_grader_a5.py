@@ -9,6 +9,9 @@ block's output right, get a run of their own restricted to the two layers (and c
 a bug of its own); the bugs that only the later rules catch (a dense layer changed by
 from_linear, 3-D inputs only, an all-gather's output, the sequence-parallel layout, an error on
 the ranks) get one more run.
+
+Tier: both: reference full marks and stub zero are quick (one grading each); planted bugs are
+full.
 """
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """The grader's shape: one folder per assignment behind one contract, no import cycles, small
-files, points in one place, and no pytest where student code runs."""
+files, points in one place, and no pytest where student code runs.
+
+Tier: quick: the grader's shape, read from its files in seconds.
+"""
 from __future__ import annotations
 
 import ast

@@ -1,5 +1,8 @@
 """The Gradescope bundle: what is inside, and its run_autograder run on this machine the way
-Gradescope runs it (a temporary folder stands in for /autograder)."""
+Gradescope runs it (a temporary folder stands in for /autograder).
+
+Tier: both: the bundle's contents are quick; its run_autograder run is full.
+"""
 from __future__ import annotations
 
 import json

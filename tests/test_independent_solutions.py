@@ -6,6 +6,8 @@ gets full marks. ``tests/independent/<assignment>.py`` holds answer cells writte
 they are pasted into the released notebook's answer cells, as a student would type them, and
 the notebook is graded like any submission. When one loses points, either the text does not
 say what a check needs or the check asks for more than the text: fix one of them.
+
+Tier: full: a whole grading per assignment of a second solution.
 """
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ Submissions, for every assignment: alice pasted the reference answers and wrote 
 written answer; bob handed in the released notebook untouched. For A1 also: carol is alice
 with one planted bug in ``allreduce``, and dave handed in the stubs but redefined ``check``
 (and patched ``autograder.check``) so that every test cell would print PASS in his kernel.
+
+Tier: full: nbgrader end to end, for every assignment (minutes).
 """
 from __future__ import annotations
 

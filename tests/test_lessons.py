@@ -1,5 +1,8 @@
 """Every lesson notebook runs top to bottom in quick mode on CPU (nbclient, offline, tiny data), has
-the parts every lesson must have, and hands out no assignment's answer."""
+the parts every lesson must have, and hands out no assignment's answer.
+
+Tier: quick: every lesson in quick mode, and the lessons' static promises.
+"""
 from __future__ import annotations
 
 import os

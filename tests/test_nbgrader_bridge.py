@@ -1,6 +1,9 @@
 """The notebook bridge: check() as a self-check in a kernel. (nbgrader autograde taking its
 verdicts from an isolated grading run, so that redefining check() gains nothing, is tested
-with the whole instructor flow in test_instructor_flow.py.)"""
+with the whole instructor flow in test_instructor_flow.py.)
+
+Tier: full: kernels running check() end to end.
+"""
 from __future__ import annotations
 
 from pathlib import Path

@@ -6,7 +6,10 @@ for a long run), the seeds at which a reference once lost points (:data:`ONCE_LO
 Speed checks are not run here (``--speed skip``): under a busy process per core they can only
 SKIP (the reference cannot show a speedup either). They are graded in full, on a quiet machine,
 by each assignment's full-marks test; their fairness under noise comes from paired rounds and a
-sign test (autograder/checking/speed.py), tested there."""
+sign test (autograder/checking/speed.py), tested there.
+
+Tier: full: 5 seeds of every reference on busy cores (the suite's largest part).
+"""
 from __future__ import annotations
 
 import secrets

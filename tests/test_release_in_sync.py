@@ -1,4 +1,7 @@
-"""The committed student notebooks are exactly what nbgrader generates from solutions/."""
+"""The committed student notebooks are exactly what nbgrader generates from solutions/.
+
+Tier: quick: nbgrader generate per assignment, seconds each.
+"""
 from __future__ import annotations
 
 import shutil

@@ -1,4 +1,7 @@
-"""Unit tests of the `course` toolkit: devices, timing, data (on tiny files), models, launch."""
+"""Unit tests of the `course` toolkit: devices, timing, data (on tiny files), models, launch.
+
+Tier: quick: the toolkit's units, launches included.
+"""
 from __future__ import annotations
 
 import os
