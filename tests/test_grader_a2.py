@@ -6,7 +6,7 @@ three functions that call no other are planted together in one run: ``train_ddp`
 ``make_dataloader`` and may use ``average_gradients``, and keeps its full points with those
 bugs, because the grader runs it with the reference versions of those helpers. The bug in
 ``train_ddp`` itself is graded with ``--only train_ddp``, and the sabotage of the speed check's
-reference with ``--only ring_allreduce``.
+reference and a plain ring written from the text with ``--only ring_allreduce``.
 """
 from __future__ import annotations
 
@@ -93,9 +93,9 @@ def test_training_without_gradient_sync_loses_train_ddps_points(offline_env, tmp
 SLOW_RING = [  # (text in the reference ring's cell, replacement)
     ("    world, rank = dist.get_world_size(), dist.get_rank()\n",
      "    PATCH\n    time.sleep(0.25)\n    world, rank = dist.get_world_size(), dist.get_rank()\n"),
-    ("dist.P2POp(dist.isend, s, right)", "dist.P2POp(_ISEND, s, right)"),
-    ("dist.P2POp(dist.irecv, r, left)", "dist.P2POp(_IRECV, r, left)"),
-    ("    return pending\n", """    return pending
+    ("dist.P2POp(dist.isend, outgoing, right)", "dist.P2POp(_ISEND, outgoing, right)"),
+    ("dist.P2POp(dist.irecv, incoming, left)", "dist.P2POp(_IRECV, incoming, left)"),
+    ("    return incoming\n", """    return incoming
 
 
 _ISEND, _IRECV = dist.isend, dist.irecv
@@ -147,3 +147,72 @@ def test_patching_point_to_point_does_not_touch_the_reference_ring(offline_env, 
         assert points_by_function(report)["ring_allreduce"] < full, report["stdout"]
     assert reports[True]["score"] == reports[False]["score"], \
         (reports[True]["stdout"], reports[False]["stdout"])
+
+
+# A ring written from the released text alone, plainly, as a student would: one message per
+# chunk and step, a new zeroed receive buffer and a copy of the outgoing chunk at every step,
+# each step's isend and irecv posted together. A ring like this reached 0.56x of all_reduce's
+# speed against the old reference's 0.99x (a ring that segments its messages and keeps its
+# receive buffer, which the text never asked for) and lost the bandwidth's 2 points (issue #22).
+PLAIN_RING = """\
+def ring_allreduce(tensor):
+    n = dist.get_world_size()
+    r = dist.get_rank()
+    if n == 1 or tensor.numel() == 0:
+        return None
+    flat = tensor.view(-1)
+    chunks = list(torch.tensor_split(flat, n))
+    right = (r + 1) % n
+    left = (r - 1) % n
+
+    def step(send_index, recv_index):
+        to_send = chunks[send_index].clone()
+        received = torch.zeros(chunks[recv_index].numel(), dtype=tensor.dtype,
+                               device=tensor.device)
+        ops = []
+        if to_send.numel() > 0:
+            ops.append(dist.P2POp(dist.isend, to_send, right))
+        if received.numel() > 0:
+            ops.append(dist.P2POp(dist.irecv, received, left))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        return received
+
+    for s in range(n - 1):
+        got = step((r - s) % n, (r - s - 1) % n)
+        chunks[(r - s - 1) % n].add_(got)
+    for s in range(n - 1):
+        got = step((r + 1 - s) % n, (r - s) % n)
+        chunks[(r - s) % n].copy_(got)
+    return None
+"""
+
+
+@pytest.mark.slow
+def test_a_plain_ring_from_the_text_keeps_every_point(offline_env, tmp_path):
+    """The bandwidth's bar is the reference ring's speed, and that ring follows the text's steps
+    plainly: a ring that does the same, written apart from it (zeroed buffers, one more buffer
+    alive across a step), keeps all its points: the bandwidth passes, or is skipped with its
+    reason where the machine cannot judge. Before the timed ranks got every large block fresh
+    (ranks.fresh_large_blocks), this ring (or the same with torch.empty_like buffers) lost the
+    bandwidth in 3 of 6 gradings at load 5 to 12, at 0.5x to 0.8x of the reference's fraction:
+    glibc kept the reference's freed buffers and gave this ring fresh pages."""
+    nb = nbformat.read(SOURCE, as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code"
+                and c.metadata.get("nbgrader", {}).get("grade_id") == "ring_allreduce")
+    cell.source = PLAIN_RING
+    path = tmp_path / "plain_ring.ipynb"
+    nbformat.write(nb, path)
+    report = grade(path, "--only", "ring_allreduce", env=offline_env)
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    print(report["stdout"])
+    status = {r["name"]: r["status"] for r in report["results"]}
+    assert status["ring_allreduce_two_processes"] == "passed", report["stdout"]
+    assert status["ring_allreduce_one_three_four_processes_awkward_sizes"] == "passed", \
+        report["stdout"]
+    assert status["ring_allreduce_bandwidth"] in ("passed", "skipped"), report["stdout"]
+    skipped = [r for r in report["results"] if r["status"] == "skipped"]
+    assert all(r["message"] for r in skipped), report["results"]
+    assert points_by_function(report)["ring_allreduce"] == sum(
+        r["max_points"] for r in report["results"] if r["status"] != "skipped"), report["stdout"]

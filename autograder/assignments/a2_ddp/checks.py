@@ -193,14 +193,19 @@ def test_ring_allreduce_bandwidth(student):
                                seed, (RING_TIMED_NUMEL,), F32,
                                f"the timed ring_allreduce, rank {rank}")
 
-    # the student edition asks for half of all_reduce's speed; a reference ring below that
-    # bar itself means the machine's timings cannot tell a good ring from a poor one (SKIP)
+    # The reference ring follows the text's steps plainly (one message per chunk and step, a
+    # new receive buffer and a new copy of the chunk it sends at every step), in ranks where
+    # every large block comes fresh from the system (ranks.fresh_large_blocks): per round,
+    # 0.17x to 0.56x of all_reduce's speed (median 0.39x) on a 2-core machine at load 2 to 4,
+    # 0.10x to 0.37x (median 0.17x) at load 9 to 12. The student edition, with no reference,
+    # asks for 0.1x; a reference ring below 0.1x itself means the machine's timings cannot tell
+    # a good ring from a poor one (SKIP).
     timed_rounds(student, ASSIGNMENT,
                  [("ring", "ring_allreduce", ring_server, 2, (seed, sizes), None, warmup)],
                  ring_fraction, verify,
                  what=f"ring_allreduce speed as a fraction of dist.all_reduce's "
                       f"({RING_TIMED_NUMEL >> 20}M float32 on 2 processes)",
-                 fixed_threshold=0.5, reference_minimum=0.5)
+                 fixed_threshold=0.1, reference_minimum=0.1)
 
 
 # ---------------------------------------------------------------------------- make_dataloader
