@@ -7,6 +7,9 @@ three functions that call no other are planted together in one run: ``train_ddp`
 bugs, because the grader runs it with the reference versions of those helpers. The bug in
 ``train_ddp`` itself is graded with ``--only train_ddp``, and the sabotage of the speed check's
 reference and a plain ring written from the text with ``--only ring_allreduce``.
+
+Tier: both: reference full marks and stub zero are quick (one grading each); planted bugs are
+full.
 """
 from __future__ import annotations
 
@@ -70,6 +73,7 @@ def test_released_stubs_score_zero_with_readable_messages(offline_env):
     assert_stubs_score_zero(report)
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path):
     """The three functions that call no other, broken together, in one whole grading run: each
@@ -79,6 +83,7 @@ def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path)
     assert_only_these_lose_points(grade(with_bugs(tmp_path, *leaves), env=offline_env), leaves)
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_training_without_gradient_sync_loses_train_ddps_points(offline_env, tmp_path):
     report = grade(with_bugs(tmp_path, "train_ddp"), "--only", "train_ddp", env=offline_env)
@@ -129,6 +134,7 @@ def slow_ring(tmp_path, patch: bool):
     return path
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_patching_point_to_point_does_not_touch_the_reference_ring(offline_env, tmp_path):
     """The bandwidth check's reference ring runs in processes of its own: a submission that
@@ -189,6 +195,7 @@ def ring_allreduce(tensor):
 """
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_a_plain_ring_from_the_text_keeps_every_point(offline_env, tmp_path):
     """The bandwidth's bar is the reference ring's speed, and that ring follows the text's steps
