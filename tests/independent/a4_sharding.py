@@ -7,9 +7,13 @@ not see the reference solution, the grader, the grader's tests or the instructor
 answer follows the text sentence by sentence; when one loses points, either the text does not
 say what a check needs or the check asks for more than the text. Keys are the grade ids of the
 released answer cells; the set-up cell already imports functools, math, torch, dist, F and nn.
-Part 7 (``apply_fsdp``) was added to the assignment later; its answer here was written from the
-text alone (Part 7's markdown, the set-up cell, the stub and its docstring, and PyTorch's own
-documentation of ``fully_shard``) by an independent helper session, like the other parts.
+Part 7 (``apply_fsdp``) was added to the assignment later; its first answer here was written
+from the text alone by an independent helper session. When issue #22 rewrote Part 7 (mixed
+precision, the last block's resharding, HSDP on a 2-D mesh), its answer was rewritten from the
+released Part 7 (its markdown, the stub and its docstring) and PyTorch's documentation of
+``fully_shard`` and ``MixedPrecisionPolicy``, by the session that also rewrote the reference:
+not blind to it, so it was written in a style of its own and takes the other road the text
+allows (every block a unit, parameterless ones included).
 '''
 
 ANSWERS = {
@@ -143,7 +147,7 @@ def comm_bytes_per_step(num_params, world_size, *, stage, element_size=4):
 
     "ShardedOptimizer": '''\
 class ShardedOptimizer:
-    """ZeRO stage 2: each rank keeps the optimizer state and the reduced gradient of its shard."""
+    """ZeRO stage 1, reduce-scatter form: each rank keeps the optimizer state of its shard only."""
 
     def __init__(self, params, optimizer_cls, **optimizer_kwargs):
         self._params = list(params)
@@ -272,19 +276,23 @@ class ShardedLinear(nn.Module):
 ''',
     "apply_fsdp": '''\
 def apply_fsdp(model, mesh):
-    """FSDP2 over `mesh`: one unit per block, then the root; returns the model."""
-    from torch.distributed.fsdp import fully_shard
+    """FSDP2 over `mesh` in bf16 with fp32 reductions: one unit per block, then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList):
-        units = list(blocks)
+    if isinstance(getattr(model, "blocks", None), nn.ModuleList):
+        blocks = list(model.blocks)
     elif isinstance(model, nn.Sequential):
-        units = list(model.children())  # children without parameters included
+        blocks = list(model)
     else:
-        units = []
-    for block in units:
-        fully_shard(block, mesh=mesh)  # bottom-up: each block its own unit
-    fully_shard(model, mesh=mesh)  # the root's unit: the parameters outside the blocks
+        blocks = []
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    holding = [i for i, b in enumerate(blocks) if sum(p.numel() for p in b.parameters()) > 0]
+    last = holding[-1] if holding else None
+    # a 2-D ("replicate", "shard") mesh is passed as it is: fully_shard then shards over the
+    # "shard" dim and replicates over the other (HSDP)
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i != last)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 ''',
 }

@@ -2,15 +2,16 @@
 
 Graded functions (see the notebook for their specifications): ``assign_buckets``,
 ``shard_bounds``, ``model_state_bytes``, ``comm_bytes_per_step`` (called here, in the sandbox,
-on cases from the run's seed and on the contracts' corner cases), ``BucketedDDP``,
-``ShardedOptimizer`` and ``ShardedLinear`` (started on 1, 2 and 3 processes: the cases and the
-shared runs are in ``runs.py``, what each rank runs in ``ranks.py`` and ``ddp_ranks.py``;
-BucketedDDP's step time against the reference's: ``timing.py``), the
-byte counts again against those runs (``traffic.py``), and ``apply_fsdp`` (FSDP2 on 1 and 2
-processes, one run for all its checks). Every expectation is
-computed here, in the grader, from the released contracts (``expected.py``); the collectives
-are logged by the grader's own hooks on the process group, never reported by the student.
-Points and call timeouts: ``spec.py``.
+on fixed cases for every rule the text states and on cases from the run's seed on top),
+``BucketedDDP``, ``ShardedOptimizer`` and ``ShardedLinear`` (started on 1, 2 and 3 processes:
+the cases and the shared runs are in ``runs.py``, run case by case by ``cases.py``, so that a
+case that raises fails only the checks that grade it; what each rank runs is in ``ranks.py``
+and ``ddp_ranks.py``; BucketedDDP's step time against the reference's: ``timing.py``), the byte
+counts again against those runs (``traffic.py``), and ``apply_fsdp`` (FSDP2 on 1-D meshes of 1
+and 2 processes and a 2-D mesh of 4: ``fsdp_ranks.py``, judged in ``fsdp_judging.py``). Every
+expectation is computed here, in the grader, from the released contracts (``expected.py``); the
+collectives are logged by the grader's own hooks on the process group, and FSDP's units read
+from its own state, never reported by the student. Points and call timeouts: ``spec.py``.
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from autograder.checking.expect import assert_close, sequence, tensor
 
 from . import expected
 from .judging import judge_value_errors, judge_values, returned_values, seeded_rng, zero_sizes
-from .runs import (ALLOWED, FSDP_OPTIMIZER, FSDP_PER_RANK, FSDP_STEPS, OPT_PER_RANK, OPT_STEPS,
-                   assert_holds_its_shard, ddp_each, fsdp_each, fsdp_where, judge_ddp_grads,
-                   linear_each, optimizer_each, optimizer_where, shard_param)
+from .runs import (ALLOWED, DDP_LATE, DDP_MAIN, DDP_UNUSED, OPT_PER_RANK, OPT_STEPS,
+                   assert_holds_its_shard, ddp_each, ddp_where, judge_ddp_all_reduces,
+                   judge_ddp_grads, linear_each, optimizer_each, optimizer_where, shard_param)
 from .spec import SPEC
 from .timing import judge_step_time
+from .fsdp_judging import judge_fsdp_numerics, judge_fsdp_placements, judge_fsdp_units
 from .traffic import FP32_ELEMENT, RUN_ELEMENT, state_saved_by_sharding, traffic_of_runs
 
 graded = SPEC.graded
@@ -41,7 +43,11 @@ def test_assign_buckets_reverse_order_and_size_rule(student):
              (([3, 3, 0, 1], 12), {}), (([7], 1), {}), (([1, 2, 3, 4, 5], 10), {"element_size": 2}),
              (([4, 4, 4], 64), {"element_size": 8}), (([5, 5, 5], 20), {"element_size": 4}),
              # a zero-size parameter after one larger than bucket_bytes starts a new bucket
-             (([0, 100], 8), {}), (([2, 0, 9, 0, 1], 8), {}), (([0, 0, 3], 4), {"element_size": 2})]
+             (([0, 100], 8), {}), (([2, 0, 9, 0, 1], 8), {}), (([0, 0, 3], 4), {"element_size": 2}),
+             # a bucket exactly full, then a zero-size parameter: it joins (bytes not exceeded)
+             (([0, 4], 16), {}), (([1, 0, 2, 2], 16), {}), (([0, 0, 3, 1], 8), {"element_size": 2}),
+             # a zero-size parameter alone is a bucket that is not empty: the next one is new
+             (([7, 0], 8), {}), (([3, 0, 0], 4), {"element_size": 8})]
     for _ in range(6):  # sizes from the run's seed, zero-size parameters among them
         numels = [0 if rng.random() < 0.2 else rng.randint(1, 60)
                   for _ in range(rng.randint(1, 30))]
@@ -104,10 +110,11 @@ def test_model_state_bytes_rejects_invalid_arguments(student):
 def test_comm_bytes_per_step_every_stage(student):
     rng, seed = seeded_rng()
     cases = []
-    for p, w in zero_sizes(rng):
+    for k, (p, w) in enumerate(zero_sizes(rng)):
         for s in range(4):
-            cases.append(((p, w), {"stage": s}))
-            cases.append(((p, w), {"stage": s, "element_size": rng.choice([1, 2, 4, 8])}))
+            cases.append(((p, w), {"stage": s}))  # the default element size
+            # every element size at every stage, in turn over the sizes: fixed, not drawn
+            cases.append(((p, w), {"stage": s, "element_size": (1, 2, 4, 8)[(k + s) % 4]}))
     want = [expected.comm_bytes(*a, k["stage"], k.get("element_size", 4)) for a, k in cases]
     judge_values(student, "comm_bytes_per_step", cases, want, seed)
 
@@ -147,6 +154,8 @@ def test_sharded_optimizer_state_bytes_per_rank(student):
         where = optimizer_where(world, rank, case)
         assert r["is_optimizer"] is True, \
             f"{where}: .optimizer should be a torch.optim.{name}, got {r['optimizer']}"
+        assert r["held"] == 1, \
+            f"{where}: .optimizer holds {r['held']} parameters; one (the shard's) was expected"
         numel = sum(p.numel() for p in expected.seeded_model(kind, 0).parameters())
         start, end = assert_holds_its_shard(r["owned"], numel, world, rank, where,
                                             ".optimizer holds")
@@ -180,41 +189,54 @@ def test_sharded_optimizer_one_reduce_scatter_one_all_gather_per_step(student):
 
 
 @graded
+def test_sharded_optimizer_parameters_view_one_padded_flat_buffer(student):
+    for seed, world, rank, i, case, r in optimizer_each(student):
+        where = optimizer_where(world, rank, case)
+        numel = sum(p.numel() for p in expected.seeded_model(case[0], 0).parameters())
+        padded = world * -(-numel // world)
+        layout = r["layout"]
+        assert layout["one_storage"] is True, \
+            f"{where}: after construction the parameters do not all view one buffer"
+        assert layout["in_order"] is True, (
+            f"{where}: after construction the parameters are not contiguous views at consecutive "
+            "offsets of the buffer, in the order given")
+        assert layout["room"] >= padded, (
+            f"{where}: the buffer the parameters view holds {layout['room']} element(s) from the "
+            f"first parameter on; padded, it should hold {padded} = {world} x ceil({numel} / "
+            f"{world})")
+
+
+@graded
 def test_bucketed_ddp_gradients_match_one_process(student):
-    judge_ddp_grads(student, [0])
+    judge_ddp_grads(student, [DDP_MAIN])
 
 
 @graded
 def test_bucketed_ddp_unused_parameter_counts_as_zeros(student):
-    judge_ddp_grads(student, [1])
+    judge_ddp_grads(student, [DDP_UNUSED])
+    # every bucket all-reduced once, the unused parameter's by finish (its order: DDP_LATE's)
+    judge_ddp_all_reduces(student, DDP_UNUSED, only=False, ordered=False)
 
 
 @graded
 def test_bucketed_ddp_one_all_reduce_per_bucket_in_bucket_order(student):
-    for seed, world, rank, i, step, reply, _, buckets in ddp_each(student, [0, 1]):
-        if world < 2:
-            continue  # counts are graded on 2 or more ranks only
-        where = f"{world} rank(s), rank {rank}, model {i + 1}, step {step + 1}"
-        log = [e for e in reply["events"] if len(e) == 3]
-        got = [(op, n) for op, n, _ in log]
-        want = [("ALLREDUCE", n) for _, n in buckets]
-        assert got == want, (
-            f"{where}: forward, backward and finish_gradient_synchronization() issued "
-            f"{got or 'no collective'} on the default process group; expected one all-reduce "
-            "per bucket, in bucket order, "
-            f"of each bucket's elements: {want} (buckets {[b for b, _ in buckets]})")
-        other = sorted(k for k, v in reply["counted"].items()
-                       if v and "all_reduce" not in k and "ALLREDUCE" not in k)
-        assert not other, f"{where}: it also called {', '.join(other)}"
+    judge_ddp_all_reduces(student, DDP_MAIN, only=True, ordered=True)
+
+
+@graded
+def test_bucketed_ddp_a_bucket_that_completes_early_waits_for_those_before_it(student):
+    # bucket 0 completes last here; the buckets' sizes differ, so the order of the all-reduces'
+    # sizes is the order the buckets were launched in
+    judge_ddp_all_reduces(student, DDP_LATE, only=False, ordered=True)
 
 
 @graded
 def test_bucketed_ddp_first_all_reduce_before_parameter_0_gradient(student):
-    for seed, world, rank, i, step, reply, _, buckets in ddp_each(student, [0]):
+    for seed, world, rank, i, step, reply, _, buckets in ddp_each(student, [DDP_MAIN]):
         if world < 2:
             continue
         assert len(buckets) > 1 and 0 not in buckets[0][0]  # the case can show overlap
-        where = f"{world} rank(s), rank {rank}, step {step + 1}"
+        where = ddp_where(world, rank, i, step)
         kinds = [e[0] for e in reply["events"]]
         assert "grad of parameter 0" in kinds, \
             f"{where}: the gradient of parameter 0 was never computed"
@@ -226,7 +248,7 @@ def test_bucketed_ddp_first_all_reduce_before_parameter_0_gradient(student):
 
 @graded
 def test_bucketed_ddp_step_time_against_the_reference(student):
-    judge_ddp_grads(student, [0])  # a speed counts only for correct code
+    judge_ddp_grads(student, [DDP_MAIN])  # a speed counts only for correct code
     judge_step_time(student)
 
 
@@ -309,59 +331,30 @@ def test_comm_bytes_per_step_matches_the_traffic_of_real_runs(student):
 
 
 # ---------------------------------------------------------------------------- apply_fsdp
+# (what each judges: fsdp_checks.py)
 
 @graded
 def test_apply_fsdp_each_block_and_the_root_its_own_unit(student):
-    for seed, world, rank, i, kind, r in fsdp_each(student):
-        where = fsdp_where(world, rank, kind)
-        assert r["returned_model"] is True, f"{where}: it should return the model it was given"
-        skipped = [j for j, unit in enumerate(r["block_units"]) if unit is not True]
-        assert not skipped, (f"{where}: block(s) {skipped} of {len(r['block_units'])} are not FSDP "
-                             "modules: apply fully_shard to each block")
-        assert r["root_unit"] is True, \
-            f"{where}: the model itself is not an FSDP module: apply fully_shard to the root too"
-        if world < 2:
-            continue  # one rank gathers nothing
-        want = sorted(("ALLGATHER", n) for n in expected.fsdp_all_gathers(kind, world))
-        for step, log in enumerate(r["forwards"]):
-            assert sorted(map(tuple, log)) == want, (
-                f"{where}, forward {step + 1}: {sorted(map(tuple, log)) or 'no collective'} on "
-                f"the mesh's process group (op, elements this rank sent); one all-gather per "
-                f"FSDP unit that holds parameters, of its shards, was expected: {want} (the "
-                "root's own parameters, and each block's)")
+    judge_fsdp_units(student, "units")
 
 
 @graded
-def test_apply_fsdp_parameters_are_dtensors_sharded_on_dim_0(student):
-    for seed, world, rank, i, kind, r in fsdp_each(student):
-        where = fsdp_where(world, rank, kind)
-        want = expected.fsdp_local_shapes(kind, world, rank)
-        assert len(r["params"]) == len(want), f"{where}: the model has {len(r['params'])} parameters"
-        for (name, shape), p in zip(want, r["params"]):
-            assert p["dtensor"] is True, f"{where}: parameter {name} is not a DTensor"
-            assert p["on_mesh"] is True, f"{where}: parameter {name} is not on the mesh passed in"
-            assert [tuple(x) for x in p["placements"]] == [("Shard", 0)], (
-                f"{where}: parameter {name} has placements "
-                f"{[f'{kind}({dim})' for kind, dim in p['placements']]}, not [Shard(0)]")
-            assert p["local_shape"] == shape, (
-                f"{where}: parameter {name}'s local shard has shape {p['local_shape']}, expected "
-                f"{shape} (rank {rank}'s rows of dim 0)")
+def test_apply_fsdp_bf16_parameters_fp32_reductions(student):
+    judge_fsdp_units(student, "mixed precision")
 
 
 @graded
-def test_apply_fsdp_training_matches_one_process(student):
-    name, kwargs = FSDP_OPTIMIZER
-    wants = {}
-    for seed, world, rank, i, kind, r in fsdp_each(student):
-        where = fsdp_where(world, rank, kind)
-        if (world, i) not in wants:  # the same for every rank
-            wants[world, i] = expected.one_process(kind, seed + i, name, kwargs, FSDP_STEPS,
-                                                   FSDP_PER_RANK, world)
-        want = wants[world, i]
-        full = sequence(r["full"], f"{where}: the parameters", len(want))
-        for j, (d, w) in enumerate(zip(full, want)):
-            # float64 sums in another order stray by ~1e-16 relative: 1e-9 catches any real
-            # difference (a gradient not averaged: ~1e-1)
-            assert_close(tensor(d, f"{where}: parameter {j}")["value"], w,
-                         f"{where}: parameter {j} after {FSDP_STEPS} steps of {name}({kwargs}) "
-                         "(vs one process on the full batches)", rtol=1e-9, atol=1e-12, seed=seed)
+def test_apply_fsdp_last_block_keeps_its_parameters_after_forward(student):
+    judge_fsdp_units(student, "resharding")
+
+
+@graded
+def test_apply_fsdp_shards_dim_0_and_matches_the_dense_model(student):
+    judge_fsdp_placements(student, 1)
+    judge_fsdp_numerics(student, 1)
+
+
+@graded
+def test_apply_fsdp_hsdp_on_a_2d_mesh(student):
+    judge_fsdp_placements(student, 2)
+    judge_fsdp_numerics(student, 2)

@@ -20,30 +20,36 @@ from .ranks import collectives_sized, step_rows
 
 
 class Layers(nn.Module):
-    """Float64 tanh layers of width ``width`` (many small parameters: several buckets), and,
-    with ``unused``, a parameter between them that the loss never touches."""
+    """Float64 tanh layers of width ``width`` (many small parameters: several buckets); with
+    ``unused``, a parameter between them that the loss never touches; with ``late``, a layer
+    ``pre`` registered last but applied first, so that its gradients come last in backward and
+    the buckets after bucket 0 complete before it."""
 
-    def __init__(self, width: int, depth: int, unused: bool = False):
+    def __init__(self, width: int, depth: int, unused: bool = False, late: bool = False):
         super().__init__()
         self.first = nn.Linear(width, width)
         self.unused = nn.Parameter(torch.ones(3)) if unused else None
         self.rest = nn.ModuleList(nn.Linear(width, width) for _ in range(depth - 1))
         self.register_buffer("scale", torch.ones(width))
+        self.pre = nn.Linear(width, width) if late else None
         self.double()
 
     def forward(self, x):
+        if self.pre is not None:
+            x = torch.tanh(self.pre(x))
         x = torch.tanh(self.first(x)) * self.scale
         for layer in self.rest:
             x = torch.tanh(layer(x))
         return x
 
 
-def ddp_model(seed: int, width: int, depth: int, unused: bool) -> Layers:
-    """The model of a BucketedDDP check, from ``seed`` (each rank passes its own: rank 0's is
-    the one broadcast). Its buffer differs per seed too, so that it needs the broadcast."""
+def ddp_model(seed: int, shape) -> Layers:
+    """The model of a BucketedDDP check, of ``shape`` (width, depth, unused, late), from
+    ``seed`` (each rank passes its own: rank 0's is the one broadcast). Its buffer differs per
+    seed too, so that it needs the broadcast."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Layers(width, depth, unused)
+        model = Layers(*shape)
         with torch.no_grad():
             model.scale.uniform_(0.5, 1.5)
         return model
@@ -53,17 +59,20 @@ def ddp_seed(seed: int, rank: int) -> int:
     return seed + 7919 * rank
 
 
-def rank_bucketed_ddp(rank, world_size, cls, seed, shape, steps, per_rank, bucket_bytes, lr):
-    """The student's BucketedDDP around a model that differs per rank (until broadcast); each
-    step: forward and backward on this rank's share, ``finish_gradient_synchronization()``,
-    then the grader's plain SGD. Logs, in one list and in order, the collectives issued on the
-    default group from forward to the end of finish (``(op, in, out)``) and the moment the
-    gradient of managed parameter 0 is computed (``("grad of parameter 0",)``)."""
-    width, depth, unused = shape
-    model = ddp_model(ddp_seed(seed, rank), width, depth, unused)
+def rank_bucketed_ddp_case(rank, world_size, i, case, cls, seed, steps, per_rank, lr):
+    """Case ``(shape, bucket_bytes)`` (seeds 101 apart): the student's BucketedDDP around a
+    model that differs per rank (until broadcast); each step: forward and backward on this
+    rank's share, ``finish_gradient_synchronization()``, then the grader's plain SGD. Logs, in
+    one list and in order, the collectives issued on the default group from forward to the end
+    of finish (``(op, in, out)``) and the moment the gradient of managed parameter 0 is
+    computed (``("grad of parameter 0",)``)."""
+    shape, bucket_bytes = case
+    seed = seed + 101 * i
+    width = shape[0]
+    model = ddp_model(ddp_seed(seed, rank), shape)
     managed = [p for p in model.parameters() if p.requires_grad]
     X, y = (torch.randn(steps * per_rank * world_size, width, dtype=torch.float64,
-                        generator=torch.Generator().manual_seed(seed + i)) for i in (1, 2))
+                        generator=torch.Generator().manual_seed(seed + k)) for k in (1, 2))
     ddp = cls(model, bucket_bytes)
     events: list = []
     managed[0].register_hook(lambda grad: events.append(("grad of parameter 0",)))
@@ -85,13 +94,6 @@ def rank_bucketed_ddp(rank, world_size, cls, seed, shape, steps, per_rank, bucke
     return out
 
 
-def rank_bucketed_ddp_cases(rank, world_size, cls, seed, cases, steps, per_rank, lr):
-    """:func:`rank_bucketed_ddp` for each case ``(shape, bucket_bytes)``, seeds apart."""
-    return [rank_bucketed_ddp(rank, world_size, cls, seed + 101 * i, shape, steps, per_rank,
-                              bucket_bytes, lr)
-            for i, (shape, bucket_bytes) in enumerate(cases)]
-
-
 def ddp_server(rank, world_size, cls, seed, shape, per_rank, bucket_bytes):
     """The ``setup`` of a :class:`~autograder.checking.ranks.RankServer`: commands ``step``
     (one step's gradients with ``cls``: zero_grad, forward and backward on this rank's share of
@@ -99,13 +101,13 @@ def ddp_server(rank, world_size, cls, seed, shape, per_rank, bucket_bytes):
     gradients with one blocking all-reduce per parameter after backward, on a model of its own:
     the trusted baseline); ``result``: the managed parameters' gradients after the last
     ``step``."""
-    width, depth, unused = shape
+    width = shape[0]
     X, y = (torch.randn(per_rank * world_size, width, dtype=torch.float64,
                         generator=torch.Generator().manual_seed(seed + i)) for i in (1, 2))
     rows = step_rows(0, per_rank, world_size, rank)
-    model = ddp_model(ddp_seed(seed, rank), width, depth, unused)
+    model = ddp_model(ddp_seed(seed, rank), shape)
     ddp = cls(model, bucket_bytes)
-    baseline = ddp_model(ddp_seed(seed, 0), width, depth, unused)
+    baseline = ddp_model(ddp_seed(seed, 0), shape)
 
     def step():
         model.zero_grad(set_to_none=True)

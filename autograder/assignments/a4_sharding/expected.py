@@ -3,10 +3,12 @@ the student's code): bucket assignment, shard bounds, ZeRO's bytes, and one-proc
 with the same optimizer on the full batch."""
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
-from .ranks import fsdp_blocks, make_data, seeded_model, step_rows
+from .ranks import make_data, seeded_model, step_rows
 
 
 def buckets(numels: list[int], bucket_bytes: int, element_size: int) -> list[list[int]]:
@@ -74,8 +76,8 @@ def one_process_ddp(seed: int, shape, steps: int, per_rank: int, world_size: int
     rank 0's model and the same SGD between steps; the managed parameters' sizes)."""
     from .ddp_ranks import ddp_model, ddp_seed
 
-    width, depth, unused = shape
-    model = ddp_model(ddp_seed(seed, 0), width, depth, unused)
+    width = shape[0]
+    model = ddp_model(ddp_seed(seed, 0), shape)
     managed = [p for p in model.parameters() if p.requires_grad]
     X, y = (torch.randn(steps * per_rank * world_size, width, dtype=torch.float64,
                         generator=torch.Generator().manual_seed(seed + i)) for i in (1, 2))
@@ -123,26 +125,61 @@ def linear_case(seed: int, case, world_size: int) -> dict:
             "input_grads": input_grads, "grads": [mean[s:e] for s, e in bounds]}
 
 
-def fsdp_all_gathers(kind: str, world_size: int) -> list[int]:
-    """Elements that each rank gives the all-gather of each FSDP unit holding parameters, in
-    forward order (the root's own parameters, then each block's): every parameter's Shard(0)
-    chunk, padded to ``ceil(dim 0 / N)`` rows."""
-    model = seeded_model(kind, 0)
-    blocks = fsdp_blocks(kind, model)
-    in_blocks = {id(p) for block in blocks for p in block.parameters()}
-    units = [[p for p in model.parameters() if id(p) not in in_blocks]]
-    units += [list(block.parameters()) for block in blocks]
-
-    def padded(p):  # ceil(rows / N) rows on every rank
-        return -(-p.shape[0] // world_size) * (p.numel() // p.shape[0])
-    return [sum(padded(p) for p in unit) for unit in units if unit]
-
-
-def fsdp_local_shapes(kind: str, world_size: int, rank: int) -> list[tuple[str, list[int]]]:
-    """(name, local shape) of each parameter of ``kind`` sharded on dim 0: this rank's
-    :func:`shard` of its rows."""
+def fsdp_local_shapes(kind: str, shards: int, coordinate: int) -> list[tuple[str, list[int]]]:
+    """(name, local shape) of each parameter of ``kind`` sharded on dim 0 over ``shards``
+    ranks: the :func:`shard` of its rows that the rank at ``coordinate`` holds (FSDP2 chunks
+    dim 0 as ``torch.chunk`` does: ceil(rows / shards) rows each, the last ones fewer)."""
     out = []
     for name, p in seeded_model(kind, 0).named_parameters():
-        start, end = shard(p.shape[0], world_size, rank)
+        start, end = shard(p.shape[0], shards, coordinate)
         out.append((name, [end - start, *p.shape[1:]]))
     return out
+
+
+#: One bfloat16 rounding, relative: 8 bits of significand.
+BF16_ULP = 2.0 ** -8
+
+
+def bf16_tolerance(references64: list, references_bf16: list) -> float:
+    """One absolute tolerance for all the results of one computation done in bfloat16 with
+    float32 reductions: twice how far the same computation done densely in the grader strays
+    from float64, at most over all the results (per tensor the stray is a noisy estimate:
+    :func:`autograder.checking.expect.float32_tolerance_of_all`), plus one bfloat16 rounding of
+    the largest result."""
+    stray = max((b - r).abs().max().item() for r, b in zip(references64, references_bf16))
+    scale = max(r.abs().max().item() for r in references64)
+    return 2 * stray + BF16_ULP * scale
+
+
+def fsdp_case(kind: str, seed: int, per_rank: int, world_size: int) -> dict:
+    """What one forward and backward of apply_fsdp's model must give, each rank on its share
+    of the batch: each rank's output and the gradients of the mean loss, in float64 (the dense
+    model), within :func:`bf16_tolerance` of the same computation in bfloat16 (the parameters
+    and inputs rounded to bf16, each rank's backward in bf16, the ranks' gradients summed in
+    float32 and divided by the number of ranks)."""
+    from .fsdp_ranks import cap_onednn
+
+    cap_onednn()
+    model = seeded_model(kind, seed)
+    X, y = make_data(kind, seed, per_rank * world_size)
+    ranks = [step_rows(0, per_rank, world_size, r) for r in range(world_size)]
+    exact = copy.deepcopy(model).double()
+    outputs = [exact(X[rows].double()) for rows in ranks]
+    torch.stack([F.mse_loss(o, y[rows].double()) for o, rows in zip(outputs, ranks)]
+                ).mean().backward()
+    outputs = [o.detach() for o in outputs]
+    grads = [p.grad.detach() for p in exact.parameters()]
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    low_outputs = []
+    low_grads = [torch.zeros_like(p, dtype=torch.float32) for p in model.parameters()]
+    for rows in ranks:  # each rank's bf16 backward, reduced in float32
+        low.zero_grad(set_to_none=True)
+        out = low(X[rows].to(torch.bfloat16))
+        F.mse_loss(out.float(), y[rows]).backward()
+        low_outputs.append(out.detach().double())
+        for total, p in zip(low_grads, low.parameters()):
+            total += p.grad.float()
+    low_grads = [(g / world_size).double() for g in low_grads]
+    return {"outputs": outputs, "output_tol": bf16_tolerance(outputs, low_outputs),
+            "grads": grads, "grad_tol": bf16_tolerance(grads, low_grads),
+            "bf16_outputs": low_outputs, "bf16_grads": low_grads}

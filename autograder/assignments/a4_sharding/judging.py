@@ -86,17 +86,18 @@ def zero_sizes(rng) -> list[tuple[int, int]]:
     return [(p, w) for p in params for w in worlds]
 
 
-def runs_per_world_size(student, key: str, owner: str, probe, helper: str, *args
-                        ) -> tuple[int, dict]:
-    """(seed, {world size: the ranks' replies}) of one run per world size (1, 2, 3) of ``probe``
-    with the reference's ``helper`` where at hand, shared by a class's checks (and the byte
-    counts' comparisons with them); a failure is remembered and fails each of them alike. Each
-    call may take what check ``owner`` allows (calibrated or the spec's), whichever check
-    starts the run."""
+def runs_per_world_size(student, key: str, owner: str, probe, helper: str | None, *args,
+                        worlds=(1, 2, 3)) -> tuple[int, dict]:
+    """(seed, {world size: the probe's reply}) of one run per world size of ``probe`` (with the
+    reference's ``helper`` where at hand), shared by a class's checks (and the byte counts'
+    comparisons with them); the probes run case by case (:mod:`.cases`), so that a case that
+    raises fails only the checks that use it; a failure of the run itself (a hang) is
+    remembered and fails each of them alike. Each call may take what check ``owner`` allows
+    (calibrated or the spec's), whichever check starts the run."""
     def run():
         _, seed = fresh_generator()
-        helpers = reference_cells(SPEC.assignment, ["setup", helper])
+        helpers = (reference_cells(SPEC.assignment, ["setup", helper]),) if helper else ()
         limit = call_timeout(SPEC.check(owner), student.calibration)
-        return seed, {w: student.call(probe, w, seed, *args, helpers, timeout=limit)
-                      for w in (1, 2, 3)}
+        return seed, {w: student.call(probe, w, seed, *args, *helpers, timeout=limit)
+                      for w in worlds}
     return student.shared(key, run)

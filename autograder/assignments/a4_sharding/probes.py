@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from autograder.checking.probes import describe, reference_helpers, student_function
 
-from .ddp_ranks import rank_bucketed_ddp_cases
-from .ranks import (rank_apply_fsdp, rank_sharded_linear, rank_sharded_optimizer,
-                    run_ranks_keeping_results)
+from .cases import run_cases
+from .ddp_ranks import rank_bucketed_ddp_case
+from .fsdp_ranks import rank_apply_fsdp_case
+from .ranks import rank_sharded_linear_case, rank_sharded_optimizer_case
 from .spec import SPEC
 
 
@@ -48,35 +49,35 @@ def probe_calls(ns, name: str, cases):
     return out
 
 
-def _run_class(ns, name, rank_fn, world_size, helper_cells, *args):
-    """``rank_fn`` with the student's class ``name`` on ``world_size`` ranks, with the
-    reference's versions of the graded functions it calls where the reference is at hand (so
-    that only ``name`` is graded). On gloo, GPUs or not: the checks' tensors are CPU float64."""
+def _run_class(ns, name, rank_fn, world_size, helper_cells, cases, *args):
+    """``rank_fn`` for each of ``cases`` with the student's class ``name`` on ``world_size``
+    ranks, case by case (:func:`~.cases.run_cases`), with the reference's versions of the
+    graded functions it calls where the reference is at hand (so that only ``name`` is graded).
+    On gloo, GPUs or not: the checks' tensors are CPU float64."""
     cls = _lookup(ns, name)
     init = getattr(cls, "__init__", None)
     cells = helper_cells if hasattr(init, "__globals__") else None  # __init__ from the notebook
     with reference_helpers(init, cells, list(SPEC.function(name).helpers)):
-        return run_ranks_keeping_results(rank_fn, world_size, cls, *args, backend="gloo")
+        return run_cases(rank_fn, world_size, cases, cls, *args)
 
 
 def probe_sharded_optimizer(ns, world_size, seed, cases, steps, per_rank, helper_cells):
-    return _run_class(ns, "ShardedOptimizer", rank_sharded_optimizer, world_size, helper_cells,
-                      seed, cases, steps, per_rank)
+    return _run_class(ns, "ShardedOptimizer", rank_sharded_optimizer_case, world_size,
+                      helper_cells, cases, seed, steps, per_rank)
 
 
 def probe_bucketed_ddp(ns, world_size, seed, cases, steps, per_rank, lr, helper_cells):
-    return _run_class(ns, "BucketedDDP", rank_bucketed_ddp_cases, world_size, helper_cells,
-                      seed, cases, steps, per_rank, lr)
+    return _run_class(ns, "BucketedDDP", rank_bucketed_ddp_case, world_size, helper_cells,
+                      cases, seed, steps, per_rank, lr)
 
 
 def probe_sharded_linear(ns, world_size, seed, cases, helper_cells):
-    return _run_class(ns, "ShardedLinear", rank_sharded_linear, world_size, helper_cells, seed,
-                      cases)
+    return _run_class(ns, "ShardedLinear", rank_sharded_linear_case, world_size, helper_cells,
+                      cases, seed)
 
 
-def probe_apply_fsdp(ns, worlds, seed, kinds, steps, per_rank, optimizer):
-    """{world size: the ranks' replies} of apply_fsdp run on each of ``worlds`` (CPU processes
-    on gloo; 1 rank runs here), for each kind of model."""
-    fn = _lookup(ns, "apply_fsdp")
-    return {w: run_ranks_keeping_results(rank_apply_fsdp, w, fn, seed, kinds, steps, per_rank,
-                                         optimizer, backend="gloo") for w in worlds}
+def probe_apply_fsdp(ns, world_size, seed, cases_by_world, per_rank):
+    """apply_fsdp on ``world_size`` ranks (CPU processes on gloo; 1 rank runs here) for each
+    of its cases ``(model kind, mesh shape)``, case by case."""
+    return run_cases(rank_apply_fsdp_case, world_size, cases_by_world[world_size],
+                     _lookup(ns, "apply_fsdp"), seed, per_rank)

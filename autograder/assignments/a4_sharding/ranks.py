@@ -1,23 +1,16 @@
-"""What each process of Assignment 4's checks runs, and the models and data it shares with the
-grader (BucketedDDP's ranks: :mod:`.ddp_ranks`).
+"""What each process of Assignment 4's checks runs, case by case (:mod:`.cases` runs the cases
+and hands their results over), and the models and data it shares with the grader (BucketedDDP's
+ranks: :mod:`.ddp_ranks`; apply_fsdp's: :mod:`.fsdp_ranks`).
 
 Trusted harness code: a probe in the sandbox starts these on N processes and they return plain
 data for the grader to judge. Every rank imports this module, so it imports nothing heavier
 than torch (no pytest, no nbformat).
-
-Results are handed over before teardown: each rank writes what it found to a folder of the
-probe's as soon as its work is done, so that a rank that aborts afterwards, at process exit
-(gloo can std::terminate a finished rank: "terminate called without an active exception"),
-never costs the student a point (:func:`run_ranks_keeping_results`).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
-import io
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,37 +19,9 @@ from torch import nn
 
 from autograder.checking.collectives import collectives_counted
 from autograder.checking.probes import describe
-from autograder.checking.ranks import run_ranks
 
 #: Pre-hook id for the sized log (collectives_counted uses another, so both can be registered).
 _SIZED_HOOK_ID = 434343
-
-
-# ---------------------------------------------------------------------------- results first
-
-def run_ranks_keeping_results(fn, world_size: int, *args, **kwargs) -> list:
-    """:func:`run_ranks`, except that when every rank had saved its result before the run
-    failed (a rank aborted at exit, after its work), those results are returned."""
-    if world_size == 1:
-        return run_ranks(fn, world_size, *args, **kwargs)
-    with tempfile.TemporaryDirectory(prefix="a4-results-") as folder:
-        try:
-            return run_ranks(_saving_result, world_size, folder, fn, *args, **kwargs)
-        except RuntimeError:
-            saved = [Path(folder, f"result-{rank}.pt") for rank in range(world_size)]
-            if not all(p.exists() for p in saved):
-                raise
-            return [torch.load(p, weights_only=True) for p in saved]
-
-
-def _saving_result(rank, world_size, folder, fn, *args):
-    result = fn(rank, world_size, *args)
-    buffer = io.BytesIO()
-    torch.save(result, buffer)
-    # written whole, then renamed: a half-written file is never taken for a result
-    Path(folder, f"result-{rank}.tmp").write_bytes(buffer.getvalue())
-    Path(folder, f"result-{rank}.tmp").rename(Path(folder, f"result-{rank}.pt"))
-    return result
 
 
 # ---------------------------------------------------------------------------- counting, sized
@@ -85,6 +50,8 @@ def collectives_sized(log: list | None = None):
 
 #: (input features, output features) of each model a ShardedOptimizer or apply_fsdp check trains.
 SHAPES = {"mlp": (5, 2), "tiny": (1, 2), "even": (3, 3), "blocks": (3, 3), "sequential": (3, 3)}
+#: apply_fsdp's models: float32, what mixed precision starts from (the others are float64).
+FSDP_KINDS = ("blocks", "sequential")
 
 
 class WithBlocks(nn.Module):
@@ -94,7 +61,7 @@ class WithBlocks(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Linear(3, 4)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3))
         self.head = nn.Linear(4, 3)
 
     def forward(self, x):
@@ -105,12 +72,13 @@ class WithBlocks(nn.Module):
 
 
 def seeded_model(kind: str, seed: int) -> nn.Module:
-    """The float64 model of a case, the same on every rank and in the grader. ``mlp`` has 34
-    elements (not divisible by 3 or 4), ``tiny`` 4 (3 ranks leave rank 2 an empty shard),
-    ``even`` 12 (divisible by 1, 2 and 3: no padding, for the byte counts' cross-checks);
-    ``blocks`` and ``sequential`` are apply_fsdp's two shapes of model (odd first dimensions:
-    uneven Shard(0) chunks); tanh, not ReLU, so no gradient element is zero in one summation
-    order and not in another."""
+    """The model of a case, the same on every rank and in the grader. ``mlp`` has 34 elements
+    (not divisible by 3 or 4), ``tiny`` 4 (3 ranks leave rank 2 an empty shard), ``even`` 12
+    (divisible by 1, 2 and 3: no padding, for the byte counts' cross-checks), all float64;
+    ``blocks`` and ``sequential`` are apply_fsdp's two shapes of model, float32 (odd first
+    dimensions: uneven Shard(0) chunks; the nn.Sequential has children without parameters and
+    ends with one that has some); tanh, not ReLU, so no gradient element is zero in one
+    summation order and not in another."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if kind == "mlp":
@@ -120,10 +88,10 @@ def seeded_model(kind: str, seed: int) -> nn.Module:
         if kind == "even":
             return nn.Linear(3, 3).double()
         if kind == "blocks":
-            return WithBlocks().double()
+            return WithBlocks().float()
         if kind == "sequential":
             return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(),
-                                 nn.Linear(4, 3)).double()
+                                 nn.Linear(4, 3)).float()
         raise ValueError(kind)
 
 
@@ -133,11 +101,13 @@ def fsdp_blocks(kind: str, model: nn.Module) -> list[nn.Module]:
 
 
 def make_data(kind: str, seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` float64 examples (inputs, regression targets), the same in every process."""
+    """``n`` examples (inputs, regression targets) in the dtype of ``kind``'s model, the same in
+    every process."""
     g = torch.Generator().manual_seed(seed + 1)
     d_in, d_out = SHAPES[kind]
-    return (torch.randn(n, d_in, generator=g, dtype=torch.float64),
-            torch.randn(n, d_out, generator=g, dtype=torch.float64))
+    dtype = torch.float32 if kind in FSDP_KINDS else torch.float64
+    return (torch.randn(n, d_in, generator=g, dtype=torch.float64).to(dtype),
+            torch.randn(n, d_out, generator=g, dtype=torch.float64).to(dtype))
 
 
 def step_rows(step: int, per_rank: int, world_size: int, rank: int | None = None) -> slice:
@@ -157,37 +127,54 @@ def state_bytes(optimizer) -> int:
                for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
 
 
-def rank_sharded_optimizer(rank, world_size, cls, seed, cases, steps, per_rank):
-    """Each case ``(model kind, optimizer name, kwargs)``: the model (equal on every rank),
-    the student's ShardedOptimizer over its parameters, ``steps`` steps of backward on this
-    rank's share of the batch (mean squared error) then ``step()``, with the collectives issued
-    inside ``step()`` logged; what the parameters, gradients and ``.optimizer`` ended as."""
-    out = []
-    for i, (kind, optimizer_name, kwargs) in enumerate(cases):
-        optimizer_cls = getattr(torch.optim, optimizer_name)
-        model = seeded_model(kind, seed + i)
-        X, y = make_data(kind, seed + i, steps * per_rank * world_size)
-        opt = cls(model.parameters(), optimizer_cls, **kwargs)
-        logs, counts, grads_none = [], [], []
-        for step in range(steps):
-            rows = step_rows(step, per_rank, world_size, rank)
-            F.mse_loss(model(X[rows]), y[rows]).backward()
-            with collectives_counted(opt.step) as counted, collectives_sized() as log:
-                opt.step()
-            logs.append(list(log))
-            counts.append(dict(counted))
-            grads_none.append(all(p.grad is None for p in model.parameters()))
-        inner = getattr(opt, "optimizer", None)
-        is_optimizer = isinstance(inner, optimizer_cls)
-        out.append({
-            "params": describe([p.detach() for p in model.parameters()]),
-            "grads_none": grads_none, "sized": logs, "counted": counts,
+def buffer_layout(params, padded: int) -> dict:
+    """Where the parameters' values live: do they all view one storage, each contiguous, at
+    consecutive offsets in the order given, with room for ``padded`` elements from the first?"""
+    params = list(params)
+    if not params:
+        return {"one_storage": False, "in_order": False, "room": 0}
+    first = params[0]
+    ptr, base = first.untyped_storage().data_ptr(), first.storage_offset()
+    offsets, at = [], base
+    for p in params:
+        offsets.append(p.storage_offset() == at and p.is_contiguous())
+        at += p.numel()
+    return {"one_storage": all(p.untyped_storage().data_ptr() == ptr for p in params),
+            "in_order": all(offsets),
+            "room": first.untyped_storage().nbytes() // first.element_size() - base}
+
+
+def rank_sharded_optimizer_case(rank, world_size, i, case, cls, seed, steps, per_rank):
+    """Case ``(model kind, optimizer name, kwargs)``: the model (equal on every rank), the
+    student's ShardedOptimizer over its parameters and where they live afterwards, ``steps``
+    steps of backward on this rank's share of the batch (mean squared error) then ``step()``,
+    with the collectives issued inside ``step()`` logged; what the parameters, gradients and
+    ``.optimizer`` ended as."""
+    kind, optimizer_name, kwargs = case
+    optimizer_cls = getattr(torch.optim, optimizer_name)
+    model = seeded_model(kind, seed + i)
+    X, y = make_data(kind, seed + i, steps * per_rank * world_size)
+    numel = sum(p.numel() for p in model.parameters())
+    opt = cls(model.parameters(), optimizer_cls, **kwargs)
+    layout = buffer_layout(model.parameters(), world_size * -(-numel // world_size))
+    logs, counts, grads_none = [], [], []
+    for step in range(steps):
+        rows = step_rows(step, per_rank, world_size, rank)
+        F.mse_loss(model(X[rows]), y[rows]).backward()
+        with collectives_counted(opt.step) as counted, collectives_sized() as log:
+            opt.step()
+        logs.append(list(log))
+        counts.append(dict(counted))
+        grads_none.append(all(p.grad is None for p in model.parameters()))
+    inner = getattr(opt, "optimizer", None)
+    is_optimizer = isinstance(inner, optimizer_cls)
+    held = [p for g in inner.param_groups for p in g["params"]] if is_optimizer else []
+    return {"params": describe([p.detach() for p in model.parameters()]),
+            "grads_none": grads_none, "sized": logs, "counted": counts, "layout": layout,
             "optimizer": f"{type(inner).__module__}.{type(inner).__qualname__}",
-            "is_optimizer": is_optimizer,
-            "owned": (sum(p.numel() for g in inner.param_groups for p in g["params"])
-                      if is_optimizer else None),
-            "state_bytes": state_bytes(inner) if is_optimizer else None})
-    return out
+            "is_optimizer": is_optimizer, "held": len(held),
+            "owned": sum(p.numel() for p in held) if is_optimizer else None,
+            "state_bytes": state_bytes(inner) if is_optimizer else None}
 
 
 # ---------------------------------------------------------------------------- ShardedLinear
@@ -242,95 +229,46 @@ def _largest_alive_settled(exclude: set[int], below: int, seconds: float = 2.0) 
         time.sleep(0.01)
 
 
-def rank_sharded_linear(rank, world_size, cls, seed, cases):
-    """Each case ``(in, out, bias, batch, input needs grad)``: the student's layer built under
+def rank_sharded_linear_case(rank, world_size, i, case, cls, seed):
+    """Case ``(in, out, bias, batch, input needs grad)``: the student's layer built under
     ``torch.manual_seed`` (float64 default dtype) and its initial parameters; then the case's
     full values loaded; forward on this rank's input with the saved tensors' sizes recorded and
     the largest tensor alive after it (on 2 or more ranks: on one, the shard is the whole layer
     and nothing is graded; measuring would cost seconds); backward of ``(out * grad).sum()``;
     collectives logged."""
-    out = []
+    in_f, out_f, bias, batch, needs_grad = case
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        for i, (in_f, out_f, bias, batch, needs_grad) in enumerate(cases):
-            # earlier cases' results: not this layer's
-            before = set(_alive_storages()) if world_size > 1 else set()
-            torch.manual_seed(seed + i)
-            layer = cls(in_f, out_f, bias)
-            initial = [p.detach().clone() for p in layer.parameters()]
-            weight, b = linear_values(seed + i, in_f, out_f, bias)
-            layer.load_full(weight, b) if bias else layer.load_full(weight)
-            del weight, b
-            x, grad_out = linear_inputs(seed + i, rank, batch, in_f, out_f)
-            x.requires_grad_(needs_grad)
-            saved, log = [], []
+        # earlier cases' results: not this layer's
+        before = set(_alive_storages()) if world_size > 1 else set()
+        torch.manual_seed(seed + i)
+        layer = cls(in_f, out_f, bias)
+        initial = [p.detach().clone() for p in layer.parameters()]
+        weight, b = linear_values(seed + i, in_f, out_f, bias)
+        layer.load_full(weight, b) if bias else layer.load_full(weight)
+        del weight, b
+        x, grad_out = linear_inputs(seed + i, rank, batch, in_f, out_f)
+        x.requires_grad_(needs_grad)
+        saved, log = [], []
 
-            def pack(t):
-                saved.append(t.untyped_storage().nbytes() // max(t.element_size(), 1))
-                return t
+        def pack(t):
+            saved.append(t.untyped_storage().nbytes() // max(t.element_size(), 1))
+            return t
 
-            with collectives_sized(log):
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    y = layer(x)
-                mine = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-                alive = _largest_alive_settled(
-                    before | mine | {t.untyped_storage().data_ptr() for t in (x, y, grad_out)},
-                    below=in_f * out_f) if world_size > 1 else None
-                (y * grad_out).sum().backward()
-            params = list(layer.parameters())
-            out.append({"initial": describe(initial), "output": describe(y.detach()),
-                        "input_grad": describe(x.grad) if needs_grad else describe(None),
-                        "params": describe([p.detach() for p in params]),
-                        "grads": describe([p.grad for p in params]),
-                        "sized": log, "saved": saved, "alive": alive})
+        with collectives_sized(log):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = layer(x)
+            mine = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+            alive = _largest_alive_settled(
+                before | mine | {t.untyped_storage().data_ptr() for t in (x, y, grad_out)},
+                below=in_f * out_f) if world_size > 1 else None
+            (y * grad_out).sum().backward()
+        params = list(layer.parameters())
+        return {"initial": describe(initial), "output": describe(y.detach()),
+                "input_grad": describe(x.grad) if needs_grad else describe(None),
+                "params": describe([p.detach() for p in params]),
+                "grads": describe([p.grad for p in params]),
+                "sized": log, "saved": saved, "alive": alive}
     finally:
         torch.set_default_dtype(default)
-    return out
-
-
-# ---------------------------------------------------------------------------- apply_fsdp
-
-def rank_apply_fsdp(rank, world_size, fn, seed, kinds, steps, per_rank, optimizer):
-    """Each kind of model, built from the seed (float64), given with the grader's mesh
-    (``init_device_mesh("cpu", (world_size,))``) to the student's ``fn`` (apply_fsdp): what it
-    made of the model (is it and each block an FSDP module; each parameter's type, placements,
-    mesh and local shape), then ``steps`` steps of ``optimizer`` (name, kwargs) on this rank's
-    share of each batch (mean squared error), with the collectives of each forward logged on
-    the mesh's group; and the full parameters after them. FSDP is imported here, where it is
-    used: its first use costs seconds per process."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    from autograder.checking.collectives import traffic_on_groups
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    out = []
-    for i, kind in enumerate(kinds):
-        model = seeded_model(kind, seed + i)
-        blocks = fsdp_blocks(kind, model)
-        returned = fn(model, mesh)
-        made = [{"dtensor": isinstance(p, DTensor),
-                 "placements": [(type(x).__name__, getattr(x, "dim", None))
-                                for x in (p.placements if isinstance(p, DTensor) else ())],
-                 "on_mesh": bool(isinstance(p, DTensor) and p.device_mesh == mesh),
-                 "local_shape": list((p.to_local() if isinstance(p, DTensor) else p).shape)}
-                for p in model.parameters()]
-        X, y = make_data(kind, seed + i, steps * per_rank * world_size)
-        opt = getattr(torch.optim, optimizer[0])(model.parameters(), **optimizer[1])
-        forwards = []
-        for step in range(steps):
-            rows = step_rows(step, per_rank, world_size, rank)
-            opt.zero_grad(set_to_none=True)
-            with traffic_on_groups({"mesh": mesh.get_group()}) as traffic:
-                output = model(X[rows])
-            forwards.append(list(traffic["mesh"]))
-            F.mse_loss(output, y[rows]).backward()
-            opt.step()
-        full = [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()]
-        out.append({"returned_model": returned is model, "root_unit": isinstance(model, FSDPModule),
-                    "block_units": [isinstance(b, FSDPModule) for b in blocks],
-                    "params": made, "forwards": forwards,
-                    "full": describe([t.detach().clone() for t in full])})
-    return out

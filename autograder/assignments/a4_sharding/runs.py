@@ -1,18 +1,51 @@
 """Assignment 4's classes in the grader: the cases of the multi-process runs that each class's
-checks share (one run per world size, :func:`~.judging.runs_per_world_size`), and walks over
-what every rank of those runs replied, next to what it should be (:mod:`.expected`)."""
+checks share (one run per world size, :func:`~.judging.runs_per_world_size`, case by case:
+:mod:`.cases`), and walks over what every rank of those runs replied, next to what it should be
+(:mod:`.expected`). A walk asks for the cases its check grades; a case that raised fails the
+walk with that case's error, and no other case's."""
 from __future__ import annotations
 
 import torch
 
-from autograder.checking.expect import assert_close, fresh_generator, sequence, tensor
-from autograder.checking.timeouts import call_timeout
+from autograder.checking.expect import assert_close, sequence, tensor
 
 from . import expected
 from .judging import runs_per_world_size
 from .probes import (probe_apply_fsdp, probe_bucketed_ddp, probe_sharded_linear,
                      probe_sharded_optimizer)
-from .spec import SPEC
+
+TAMPERED = "the probe's reply was tampered with"
+
+
+def case_ranks(outcomes, n_cases: int, index: int, world: int, where: str):
+    """Every rank's reply to case ``index`` of a run on ``world`` ranks; an AssertionError with
+    the case's error where it raised (or the run stopped in it)."""
+    assert isinstance(outcomes, list) and len(outcomes) == n_cases, TAMPERED
+    outcome = outcomes[index]
+    assert isinstance(outcome, dict), TAMPERED
+    if "error" in outcome:
+        raise AssertionError(f"{where}: {outcome['error']}\n(this case fails the checks that "
+                             "grade it; the other cases are graded on their own)")
+    ranks = outcome.get("ranks")
+    assert isinstance(ranks, list) and len(ranks) == world, TAMPERED
+    return ranks
+
+
+def _walk(runs: dict, cases, indices, min_world: int, where, skip_failed: bool):
+    """(world, case index, rank, reply) of the ``indices`` cases on ``min_world`` or more
+    ranks; ``where(world, rank, index)`` names them in messages."""
+    for world, outcomes in runs.items():
+        if world < min_world:
+            continue
+        for i in indices:
+            try:
+                ranks = case_ranks(outcomes, len(cases), i, world, where(world, None, i))
+            except AssertionError:
+                if skip_failed:
+                    continue
+                raise
+            for rank, reply in enumerate(ranks):
+                yield world, i, rank, reply
 
 
 # ---------------------------------------------------------------------------- ShardedOptimizer
@@ -30,38 +63,46 @@ OPT_STEPS, OPT_PER_RANK = 3, 3
 ALLOWED = ("reduce_scatter", "all_gather", "REDUCE_SCATTER", "ALLGATHER")
 
 
-def optimizer_runs(student) -> tuple[int, dict]:
-    return runs_per_world_size(student, "opt", "sharded_optimizer_matches_one_process",
-                               probe_sharded_optimizer, "shard_bounds", OPT_CASES, OPT_STEPS,
-                               OPT_PER_RANK)
-
-
-def optimizer_each(student, min_world: int = 1):
-    """(world size, rank, case index, case, reply) of every rank of every run on ``min_world``
-    or more ranks."""
-    seed, runs = optimizer_runs(student)
-    for world, ranks in runs.items():
-        if world < min_world:
-            continue
-        assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
-        for rank, replies in enumerate(ranks):
-            assert isinstance(replies, list) and len(replies) == len(OPT_CASES), \
-                "the probe's reply was tampered with"
-            for i, (case, reply) in enumerate(zip(OPT_CASES, replies)):
-                yield seed, world, rank, i, case, reply
+def optimizer_each(student, min_world: int = 1, skip_failed: bool = False):
+    """(seed, world size, rank, case index, case, reply) of every rank of every case run on
+    ``min_world`` or more ranks."""
+    seed, runs = runs_per_world_size(student, "opt", "sharded_optimizer_matches_one_process",
+                                     probe_sharded_optimizer, "shard_bounds", OPT_CASES,
+                                     OPT_STEPS, OPT_PER_RANK)
+    for world, i, rank, reply in _walk(runs, OPT_CASES, range(len(OPT_CASES)), min_world,
+                                       lambda w, r, i: optimizer_where(w, r, OPT_CASES[i]),
+                                       skip_failed):
+        yield seed, world, rank, i, OPT_CASES[i], reply
 
 
 def optimizer_where(world, rank, case) -> str:
     kind, name, kwargs = case
-    return f"{world} rank(s), rank {rank}, {name}({kwargs}) on the {kind} model"
+    who = "" if rank is None else f", rank {rank}"
+    return f"{world} rank(s){who}, {name}({kwargs}) on the {kind} model"
 
 
 # ---------------------------------------------------------------------------- BucketedDDP
 
-#: (model shape (width, depth, with an unused parameter), bucket bytes): several buckets of
-#: float64 gradients, parameter 0 in the last one; the second case leaves parameter 2 unused.
-DDP_CASES = [((6, 4, False), 400), ((5, 3, True), 256)]
+#: (model shape (width, depth, an unused parameter, a layer registered last but used first),
+#: bucket bytes), float64: the main case (several buckets, parameter 0 in the last one); an
+#: unused parameter (index 2); buckets that complete out of bucket order (bucket 0 holds the
+#: layer used first, whose gradients come last; buckets of 24, 36 and 20 elements, so that the
+#: order of the all-reduces names the buckets).
+DDP_CASES = [((6, 4, False, False), 400), ((5, 3, True, False), 256),
+             ((4, 3, False, True), 288)]
+DDP_MAIN, DDP_UNUSED, DDP_LATE = 0, 1, 2
+DDP_NAMES = ("the main model", "the model with an unused parameter",
+             "the model whose first layer is registered last")
 DDP_STEPS, DDP_PER_RANK, DDP_LR = 3, 2, 0.1
+
+
+def ddp_buckets(case: int, world: int, seed: int):
+    """(each step's gradients in one process, the buckets as (indices, elements)) of a case."""
+    shape, bucket_bytes = DDP_CASES[case]
+    want, numels = expected.one_process_ddp(seed + 101 * case, shape, DDP_STEPS, DDP_PER_RANK,
+                                            world, DDP_LR)
+    return want, [(b, sum(numels[j] for j in b))
+                  for b in expected.buckets(numels, bucket_bytes, 8)]
 
 
 def ddp_each(student, cases):
@@ -70,25 +111,25 @@ def ddp_each(student, cases):
     seed, runs = runs_per_world_size(student, "ddp", "bucketed_ddp_gradients_match_one_process",
                                      probe_bucketed_ddp, "assign_buckets", DDP_CASES, DDP_STEPS,
                                      DDP_PER_RANK, DDP_LR)
-    for world, ranks in runs.items():
-        assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
-        for i in cases:
-            shape, bucket_bytes = DDP_CASES[i]
-            want, numels = expected.one_process_ddp(seed + 101 * i, shape, DDP_STEPS,
-                                                    DDP_PER_RANK, world, DDP_LR)
-            buckets = [(b, sum(numels[j] for j in b))
-                       for b in expected.buckets(numels, bucket_bytes, 8)]
-            for rank, replies in enumerate(ranks):
-                assert isinstance(replies, list) and len(replies) == len(DDP_CASES) and all(
-                    isinstance(r, list) and len(r) == DDP_STEPS for r in replies), \
-                    "the probe's reply was tampered with"
-                for step, reply in enumerate(replies[i]):
-                    yield seed, world, rank, i, step, reply, want[step], buckets
+    wants = {}
+    for world, i, rank, replies in _walk(runs, DDP_CASES, cases, 1, ddp_where, False):
+        if (world, i) not in wants:
+            wants[world, i] = ddp_buckets(i, world, seed)
+        want, buckets = wants[world, i]
+        assert isinstance(replies, list) and len(replies) == DDP_STEPS, TAMPERED
+        for step, reply in enumerate(replies):
+            yield seed, world, rank, i, step, reply, want[step], buckets
+
+
+def ddp_where(world, rank, case, step=None) -> str:
+    who = "" if rank is None else f", rank {rank}"
+    when = "" if step is None else f", step {step + 1}"
+    return f"{world} rank(s){who}, {DDP_NAMES[case]}{when}"
 
 
 def judge_ddp_grads(student, cases):
     for seed, world, rank, i, step, reply, want, _ in ddp_each(student, cases):
-        where = f"{world} rank(s), rank {rank}, model {i + 1}, step {step + 1}"
+        where = ddp_where(world, rank, i, step)
         grads = sequence(reply["grads"], f"{where}: the gradients", len(want))
         for j, (d, w) in enumerate(zip(grads, want)):
             if w is None:
@@ -102,6 +143,31 @@ def judge_ddp_grads(student, cases):
                          "full-batch gradient in one process)", rtol=1e-9, atol=1e-12, seed=seed)
 
 
+def judge_ddp_all_reduces(student, case: int, *, only: bool, ordered: bool):
+    """On 2 or more ranks, per step, from forward to the end of finish: one all-reduce per
+    bucket, of its elements, in bucket order (``ordered``) or in any order; with ``only``, no
+    other collective either (the main model's check: the other cases judge their own rule)."""
+    for seed, world, rank, i, step, reply, _, buckets in ddp_each(student, [case]):
+        if world < 2:
+            continue  # counts are graded on 2 or more ranks only
+        where = ddp_where(world, rank, i, step)
+        got = [(e[0], e[1]) for e in reply["events"] if len(e) == 3]
+        if not only:
+            got = [e for e in got if e[0] == "ALLREDUCE"]
+        want = [("ALLREDUCE", n) for _, n in buckets]
+        what = ("per bucket, in bucket order," if ordered else "per bucket") + \
+            " of each bucket's elements"
+        if only:
+            what += ", and no other collective (buffers are broadcast at construction only)"
+        assert (got if ordered else sorted(got)) == (want if ordered else sorted(want)), (
+            f"{where}: forward, backward and finish_gradient_synchronization() issued "
+            f"{got or 'no collective'} on the default process group; expected one all-reduce "
+            f"{what}: {want} (buckets {[b for b, _ in buckets]})")
+        if only:
+            other = sorted(k for k, v in reply["counted"].items()
+                           if v and "all_reduce" not in k and "ALLREDUCE" not in k)
+            assert not other, f"{where}: it also called {', '.join(other)}"
+
 
 # ---------------------------------------------------------------------------- ShardedLinear
 
@@ -112,22 +178,20 @@ def judge_ddp_grads(student, cases):
 LINEAR_CASES = [(7, 5, True, 3, True), (6, 4, False, 2, False), (5, 3, True, 2, True)]
 
 
-def linear_each(student, min_world: int = 1):
+def linear_each(student, min_world: int = 1, skip_failed: bool = False):
     """(seed, world, rank, case, reply, what every rank must see, where: for messages) of every
     rank and case of the runs on ``min_world`` or more ranks."""
     seed, runs = runs_per_world_size(student, "linear",
                                      "sharded_linear_outputs_and_gradients_match_dense",
                                      probe_sharded_linear, "shard_bounds", LINEAR_CASES)
-    for world, ranks in runs.items():
-        if world < min_world:
-            continue
-        assert isinstance(ranks, list) and len(ranks) == world, "the probe's reply was tampered with"
-        for i, case in enumerate(LINEAR_CASES):
-            want = expected.linear_case(seed + i, case, world)
-            for rank, replies in enumerate(ranks):
-                assert isinstance(replies, list) and len(replies) == len(LINEAR_CASES), \
-                    "the probe's reply was tampered with"
-                yield seed, world, rank, case, replies[i], want, linear_where(world, rank, case)
+    wants = {}
+    for world, i, rank, reply in _walk(runs, LINEAR_CASES, range(len(LINEAR_CASES)), min_world,
+                                       lambda w, r, i: linear_where(w, r, LINEAR_CASES[i]),
+                                       skip_failed):
+        case = LINEAR_CASES[i]
+        if (world, i) not in wants:
+            wants[world, i] = expected.linear_case(seed + i, case, world)
+        yield seed, world, rank, case, reply, wants[world, i], linear_where(world, rank, case)
 
 
 def assert_holds_its_shard(count: int, numel: int, world: int, rank: int, where: str,
@@ -149,41 +213,41 @@ def shard_param(reply, where: str, key: str):
 
 def linear_where(world, rank, case):
     in_f, out_f, bias, batch, needs = case
-    return (f"{world} rank(s), rank {rank}, ShardedLinear({in_f}, {out_f}, bias={bias}) on "
+    who = "" if rank is None else f", rank {rank}"
+    return (f"{world} rank(s){who}, ShardedLinear({in_f}, {out_f}, bias={bias}) on "
             f"{batch} inputs{'' if needs else ' that need no gradient'}")
 
 
 # ---------------------------------------------------------------------------- apply_fsdp
 
-#: The two shapes of model (:func:`~.ranks.seeded_model`), the world sizes (one multi-process
-#: run: FSDP's first use costs seconds per process), and the training every rank does.
-FSDP_KINDS, FSDP_WORLDS = ("blocks", "sequential"), (1, 2)
-FSDP_STEPS, FSDP_PER_RANK, FSDP_OPTIMIZER = 2, 2, ("SGD", {"lr": 0.1, "momentum": 0.9})
+#: Each world size's cases (model kind, mesh shape): 1-D meshes on 1 and 2 ranks; a 2-D
+#: (replicate, shard) mesh of 2 x 2 on 4 ranks (HSDP); rows of the batch per rank.
+FSDP_CASES = {1: [("blocks", (1,)), ("sequential", (1,))],
+              2: [("blocks", (2,)), ("sequential", (2,))],
+              4: [("blocks", (2, 2)), ("sequential", (2, 2))]}
+FSDP_PER_RANK = 2
 
 
-def fsdp_each(student):
-    """(seed, world, rank, kind index, kind, reply) of every rank and model of the one
-    apply_fsdp run that all its checks share."""
-    def run():
-        _, seed = fresh_generator()
-        limit = call_timeout(SPEC.check("apply_fsdp_each_block_and_the_root_its_own_unit"),
-                             student.calibration)
-        return seed, student.call(probe_apply_fsdp, FSDP_WORLDS, seed, FSDP_KINDS, FSDP_STEPS,
-                                  FSDP_PER_RANK, FSDP_OPTIMIZER, timeout=limit)
-    seed, runs = student.shared("fsdp", run)
-    assert isinstance(runs, dict) and sorted(runs) == sorted(FSDP_WORLDS), \
-        "the probe's reply was tampered with"
-    for world in FSDP_WORLDS:
-        assert isinstance(runs[world], list) and len(runs[world]) == world, \
-            "the probe's reply was tampered with"
-        for rank, replies in enumerate(runs[world]):
-            assert isinstance(replies, list) and len(replies) == len(FSDP_KINDS), \
-                "the probe's reply was tampered with"
-            for i, (kind, reply) in enumerate(zip(FSDP_KINDS, replies)):
-                yield seed, world, rank, i, kind, reply
+def fsdp_each(student, dims: int):
+    """(seed, world, rank, case index, kind, mesh shape, reply) of every rank and case of the
+    runs on ``dims``-D meshes (1-D: one shared run on 1 and 2 ranks; 2-D: one on 4)."""
+    worlds = tuple(w for w, cases in FSDP_CASES.items() if len(cases[0][1]) == dims)
+    owner = ("apply_fsdp_each_block_and_the_root_its_own_unit" if dims == 1
+             else "apply_fsdp_hsdp_on_a_2d_mesh")
+    seed, runs = runs_per_world_size(student, f"fsdp-{dims}d", owner, probe_apply_fsdp, None,
+                                     FSDP_CASES, FSDP_PER_RANK, worlds=worlds)
+    for world in worlds:
+        cases = FSDP_CASES[world]
+        for i, (kind, shape) in enumerate(cases):
+            where = fsdp_where(world, None, kind, shape)
+            for rank, reply in enumerate(case_ranks(runs[world], len(cases), i, world, where)):
+                assert isinstance(reply, dict), TAMPERED
+                yield seed, world, rank, i, kind, shape, reply
 
 
-def fsdp_where(world, rank, kind) -> str:
+def fsdp_where(world, rank, kind, shape) -> str:
     model = ("a model with .blocks (an nn.ModuleList) and other submodules" if kind == "blocks"
              else "an nn.Sequential")
-    return f"{world} rank(s), rank {rank}, apply_fsdp on {model}"
+    who = "" if rank is None else f", rank {rank}"
+    mesh = " x ".join(map(str, shape))
+    return f"{world} rank(s){who}, a {len(shape)}-D mesh of {mesh}, apply_fsdp on {model}"

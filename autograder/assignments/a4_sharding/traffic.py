@@ -1,13 +1,14 @@
 """The byte counts against real runs, in the grader: what one rank of the student's own
-``ShardedOptimizer`` and ``ShardedLinear`` runs sent per step by ring algorithms, and the
-optimizer state that sharding saved, from the collectives and the state that the grader counted
-in those runs (:mod:`.runs`), at sizes divisible by the world size (no padding).
+``ShardedOptimizer`` (ZeRO stage 1, reduce-scatter form) and ``ShardedLinear`` (stage 3) runs
+sent per step by ring algorithms, and the optimizer state that sharding saved, from the
+collectives and the state that the grader counted in those runs (:mod:`.runs`), at sizes
+divisible by the world size (no padding).
 
 Where a run did not issue the contract's collectives, or keep the contract's state, or did not
-finish, the class's own checks fail it, and the byte counts are compared with what the
-contract's collectives send (or the contract's state holds) at the same sizes instead: a bug in
-a class costs the points of that class only, and the byte counts are always graded (no SKIP,
-which nbgrader would award).
+finish (a case that raised), the class's own checks fail it, and the byte counts are compared
+with what the contract's collectives send (or the contract's state holds) at the same sizes
+instead: a bug in a class costs the points of that class only, and the byte counts are always
+graded (no SKIP, which nbgrader would award).
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def ring_bytes(log, world: int) -> int:
 
 
 def _replies(walk) -> list:
-    """Every item ``walk()`` yields, or none when the run failed (its class's checks say why)."""
+    """Every item ``walk()`` yields (cases that raised left out), or none when the run itself
+    failed (its class's checks say why)."""
     try:
         return list(walk())
     except AssertionError:
@@ -49,22 +51,23 @@ def _contract(ops, numel: int) -> list:
 
 def traffic_of_runs(student) -> tuple[int | None, dict]:
     """(seed, {(P, N, stage): (bytes one rank sent, where they come from)}) for one ``step()``
-    of the ShardedOptimizer (stage 2) and one forward and backward of the ShardedLinear
+    of the ShardedOptimizer (stage 1) and one forward and backward of the ShardedLinear
     (stage 3), at each case's P divisible by N: counted from the run where it issued exactly the
     contract's collectives of the whole vector, else those of the contract."""
-    sizes = {(_numel(kind), n, 2) for kind, _, _ in OPT_CASES for n in WORLDS}
+    sizes = {(_numel(kind), n, 1) for kind, _, _ in OPT_CASES for n in WORLDS}
     sizes |= {(i * o + (o if bias else 0), n, 3) for i, o, bias, *_ in LINEAR_CASES for n in WORLDS}
-    contract = {2: ("ALLGATHER", "REDUCE_SCATTER"), 3: ("ALLGATHER", "ALLGATHER", "REDUCE_SCATTER")}
+    contract = {1: ("ALLGATHER", "REDUCE_SCATTER"), 3: ("ALLGATHER", "ALLGATHER", "REDUCE_SCATTER")}
     sent = {(p, n, s): (ring_bytes(_contract(contract[s], p), n),
-                        _INSTEAD.format(what="ShardedOptimizer" if s == 2 else "ShardedLinear"))
+                        _INSTEAD.format(what="ShardedOptimizer" if s == 1 else "ShardedLinear"))
             for p, n, s in sorted(sizes) if p % n == 0}
     seed = None
-    logs = [(seed, world, _numel(case[0]), 2, log, "one step() of your ShardedOptimizer")
-            for seed, world, rank, i, case, r in _replies(lambda: optimizer_each(student))
-            for log in r["sized"]]
+    logs = [(seed, world, _numel(case[0]), 1, log, "one step() of your ShardedOptimizer")
+            for seed, world, rank, i, case, r in
+            _replies(lambda: optimizer_each(student, skip_failed=True)) for log in r["sized"]]
     logs += [(seed, world, want["numel"], 3, r["sized"],
               "one forward and backward of your ShardedLinear")
-             for seed, world, rank, case, r, want, _ in _replies(lambda: linear_each(student))]
+             for seed, world, rank, case, r, want, _ in
+             _replies(lambda: linear_each(student, skip_failed=True))]
     for seed, world, numel, stage, log, what in logs:
         got = sorted((op, inp if op == "REDUCE_SCATTER" else out) for op, inp, out in log)
         if (numel, world, stage) in sent and got == sorted(
@@ -84,7 +87,8 @@ def state_saved_by_sharding(student) -> tuple[int | None, dict]:
     adamw = {i: _numel(kind) for i, (kind, name, _) in enumerate(OPT_CASES) if name == "AdamW"}
     kept: dict = {}
     seed = None
-    for seed, world, rank, i, case, r in _replies(lambda: optimizer_each(student)):
+    for seed, world, rank, i, case, r in _replies(lambda: optimizer_each(student,
+                                                                            skip_failed=True)):
         if i in adamw and adamw[i] % world == 0:
             shard = adamw[i] // world
             ok = r["is_optimizer"] is True and r["owned"] == shard \
