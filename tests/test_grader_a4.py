@@ -11,6 +11,9 @@ reference's versions. The classes' own bugs (and more in ``apply_fsdp``) are gra
 points; each names the one check it must fail, and every other check of the run passes. A
 correct but slow ``BucketedDDP`` loses its speed check only (or none, where the machine cannot
 show the reference's speedup); correct variants the text allows keep every point.
+
+Tier: both: reference full marks and stub zero are quick (one grading each); planted bugs are
+full.
 """
 from __future__ import annotations
 
@@ -184,6 +187,7 @@ def test_released_stubs_score_zero_with_readable_messages(offline_env):
     assert_stubs_score_zero(report)
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_planted_bugs_in_the_sandboxed_functions_lose_their_points_and_no_other(offline_env,
                                                                                tmp_path):
@@ -223,6 +227,7 @@ ZERO_SIZE_BUGS = {
 }
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.parametrize("bug", sorted(ZERO_SIZE_BUGS))
 def test_a_zero_size_parameter_in_the_wrong_bucket_loses_assign_buckets_points(
@@ -243,6 +248,7 @@ def test_a_zero_size_parameter_in_the_wrong_bucket_loses_assign_buckets_points(
 BYTE_COUNTS = ("model_state_bytes", "comm_bytes_per_step")
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.parametrize("run", sorted(CLASS_BUG_RUNS))
 def test_bugs_in_the_classes_fail_their_checks(run, offline_env, tmp_path):
@@ -278,6 +284,7 @@ CORRECT_VARIANTS = {
 }
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_correct_variants_keep_every_point(offline_env, tmp_path):
     report = grade(with_bugs(tmp_path, CORRECT_VARIANTS, "variants"),
@@ -294,6 +301,7 @@ SLOW_BUCKETS = ("        self.launched.append((flat, dist.all_reduce(flat, async
                 "        self.launched.append((flat, dist.all_reduce(flat, async_op=True)))\n")
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_correct_but_slow_buckets_lose_only_the_speed_check(offline_env, tmp_path):
     """Every correctness check of BucketedDDP passes; the speed check fails (where this machine
@@ -364,6 +372,7 @@ def test_a_case_that_raises_costs_that_case_only():
     assert "ValueError: case 0 failed" in one[0]["error"] and one[1]["ranks"][0]["case"] == 1
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_a_case_that_raises_on_one_rank_costs_that_case_only():
     """Rank 0 waits out the collective timeout (20 s) in the collective rank 1 never joined; the
