@@ -13,7 +13,11 @@ precision, the last block's resharding, HSDP on a 2-D mesh), its answer was rewr
 released Part 7 (its markdown, the stub and its docstring) and PyTorch's documentation of
 ``fully_shard`` and ``MixedPrecisionPolicy``, by the session that also rewrote the reference:
 not blind to it, so it was written in a style of its own and takes the other road the text
-allows (every block a unit, parameterless ones included).
+allows (every block a unit, parameterless ones included). On 2026-11-25 the ``apply_fsdp`` entry
+was rewritten blind by a helper session that read only the released notebook's introduction and
+Part 7 (markdown, set-up cell, stub and docstring) and PyTorch's source of ``fully_shard`` and
+``MixedPrecisionPolicy`` (not the reference, the grader, its tests or the entry it replaced): a
+frozen dataclass holds the mesh and the policy, and parameterless blocks are left out of units.
 '''
 
 ANSWERS = {
@@ -275,24 +279,57 @@ class ShardedLinear(nn.Module):
         return _GatherComputeScatter.apply(x, self.shard, self._layout)
 ''',
     "apply_fsdp": '''\
+import dataclasses
+
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardingPlan:
+    """What every fully_shard call of one apply_fsdp shares: the mesh and the bf16/fp32 policy.
+
+    FSDP2 reads a 1-D mesh as plain sharding and a 2-D one as HSDP (replicate over dim 0,
+    shard over dim 1), so the mesh is passed through as it comes, whichever it is.
+    """
+
+    mesh: object
+    policy: MixedPrecisionPolicy = dataclasses.field(
+        default_factory=lambda: MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                     reduce_dtype=torch.float32))
+
+    def shard(self, module, *, reshard=None):
+        """One FSDP unit of `module` (its parameters not already in a unit below it); `reshard`
+        None leaves FSDP2's own choice (the root keeps its parameters after forward)."""
+        return fully_shard(module, mesh=self.mesh, mp_policy=self.policy,
+                           reshard_after_forward=reshard)
+
+
+def _blocks_of(model):
+    """`model.blocks` when it is an nn.ModuleList, else an nn.Sequential's children, else none."""
+    listed = getattr(model, "blocks", None)
+    if isinstance(listed, nn.ModuleList):
+        return list(listed)
+    if isinstance(model, nn.Sequential):
+        return list(model.children())
+    return []
+
+
+def _holds_parameters(module):
+    return next(iter(module.parameters()), None) is not None
+
+
 def apply_fsdp(model, mesh):
     """FSDP2 over `mesh` in bf16 with fp32 reductions: one unit per block, then the root."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    if isinstance(getattr(model, "blocks", None), nn.ModuleList):
-        blocks = list(model.blocks)
-    elif isinstance(model, nn.Sequential):
-        blocks = list(model)
-    else:
-        blocks = []
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    holding = [i for i, b in enumerate(blocks) if sum(p.numel() for p in b.parameters()) > 0]
-    last = holding[-1] if holding else None
-    # a 2-D ("replicate", "shard") mesh is passed as it is: fully_shard then shards over the
-    # "shard" dim and replicates over the other (HSDP)
-    for i, block in enumerate(blocks):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i != last)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    plan = _ShardingPlan(mesh=mesh)
+    # Parameterless blocks (activations) have nothing to shard: they are left as they are.
+    sharded_blocks = [block for block in _blocks_of(model) if _holds_parameters(block)]
+    for position, block in enumerate(sharded_blocks):
+        is_last = position == len(sharded_blocks) - 1
+        # Backward starts with the last block, so it keeps its gathered parameters after
+        # forward; every earlier block frees them and gathers them again in backward.
+        plan.shard(block, reshard=not is_last)
+    # The root last, bottom-up: it takes only the parameters outside the blocks' units.
+    plan.shard(model)
     return model
 ''',
 }

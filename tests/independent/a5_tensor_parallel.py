@@ -6,7 +6,12 @@ Written from ``assignments/a5_tensor_parallel/tensor_parallel.ipynb`` (its set-u
 ``launch``), not from the reference solution: if it loses points, the text (or a check) asks
 for something it does not say. Keys are the answer cells' grade ids. Deliberately other
 choices than the reference's: list all-gathers, dtype set after construction, three
-all-reduces in the loss, torch.optim.SGD, explicit layouts on both of PyTorch's blocks.
+all-reduces in the loss, torch.optim.SGD, explicit layouts on both of PyTorch's blocks. On
+2026-11-25 the ``cross_check`` entry was rewritten blind by a helper session that read only the
+released Parts 3 and 6 (markdown, set-up cell, stubs and docstrings) and PyTorch's source of
+``DeviceMesh.from_group``, ``ColwiseParallel``/``RowwiseParallel`` and DTensor's redistribute (not
+the reference, the grader, its tests or the entry it replaced): a small factory class holds the
+group's mesh, and the first Linear hands the second a DTensor (``use_local_output=False``).
 '''
 
 ANSWERS = {
@@ -250,18 +255,53 @@ def train_2d(model_fn, data, *, dp, tp, steps, lr):
     return losses, state
 ''',
     "cross_check": '''\
+class _BlockFactory:
+    """Builds the three tensor-parallel versions of one dense block over one process group.
+
+    The two PyTorch versions share one 1-D CPU mesh of the group's ranks; each parallelizes a
+    deep copy of the dense block, since parallelize_module rewrites the module it is given.
+    """
+
+    def __init__(self, dense, group):
+        self.dense = dense
+        self.group = group
+        self.mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, "cpu")
+
+    def ours(self):
+        return ParallelMLP.from_mlp(self.dense, group=self.group)
+
+    def _parallelized_copy(self, *, tokens, features, ends):
+        """A copy of the block: first Linear by columns, second by rows. `tokens`: how the input
+        arrives and the output leaves (Replicate(): whole on every rank; Shard(0): rows)."""
+        fc1_name, fc2_name = self._linear_names()
+        plan = {
+            fc1_name: ColwiseParallel(input_layouts=tokens, output_layouts=features,
+                                      use_local_output=False),
+            fc2_name: RowwiseParallel(input_layouts=features, output_layouts=ends,
+                                      use_local_output=True),
+        }
+        return parallelize_module(module=copy.deepcopy(self.dense), device_mesh=self.mesh,
+                                  parallelize_plan=plan)
+
+    def _linear_names(self):
+        names = [name for name, child in self.dense.named_children() if isinstance(child, nn.Linear)]
+        return names[0], names[-1]
+
+    def tensor_parallel(self):
+        # Whole input in, whole output out: the features split between the two Linears only.
+        return self._parallelized_copy(tokens=Replicate(), features=Shard(-1), ends=Replicate())
+
+    def sequence_parallel(self):
+        # Rows in, rows out: the input's rows are all-gathered before the first Linear, and
+        # the second Linear's partial sums are reduce-scattered back into rows (and in
+        # backward the reverse pair), so no all-reduce is ever needed.
+        return self._parallelized_copy(tokens=Shard(0), features=Shard(-1), ends=Shard(0))
+
+
 def cross_check(mlp, group=None):
-    mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, "cpu")
-
-    def torch_copy(layout):
-        """A parallelized deep copy whose input arrives, and output leaves, as `layout`."""
-        plan = {"0": ColwiseParallel(input_layouts=layout),
-                "2": RowwiseParallel(output_layouts=layout)}
-        return parallelize_module(copy.deepcopy(mlp), mesh, plan)
-
-    blocks = {"tensor_parallel": torch_copy(Replicate()),
-              "sequence_parallel": torch_copy(Shard(0))}  # rows = tokens = dim 0
-    blocks["ours"] = ParallelMLP.from_mlp(mlp, group)
-    return blocks
+    """{"ours", "tensor_parallel", "sequence_parallel"}: three tensor-parallel copies of `mlp`."""
+    factory = _BlockFactory(mlp, group)
+    return {name: getattr(factory, name)()
+            for name in ("ours", "tensor_parallel", "sequence_parallel")}
 ''',
 }
