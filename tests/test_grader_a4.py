@@ -403,3 +403,35 @@ def test_handed_over_results_survive_a_rank_that_aborts_at_exit():
         run_ranks(abort_at_teardown, 2)
     out = run_cases(_cases(), 2, ["ok", "abort at teardown"])
     assert _replies(out[1]) == [{"rank": r, "case": 1, "sum": 2.0} for r in (0, 1)], out
+
+
+def test_the_live_tensor_scan_sees_what_a_case_keeps_and_nothing_from_before():
+    """ShardedLinear's "no full weight kept" rule scans the live float64 tensors that a case
+    made (ranks.py: the collector's generations frozen at the case's start): a tensor alive
+    before is not the layer's; one the case keeps is found, also through an alias whose own
+    tensor is gone (``.data``, a view); and the scan walks the case's objects only, not the
+    hundreds of thousands that torch brings (0.2 s a scan). In a fresh process: the scan
+    freezes the collector for good."""
+    import subprocess
+    import sys
+
+    code = """
+import gc, torch
+from autograder.assignments.a4_sharding.ranks import _alive_storages, _only_objects_made_inside
+before = torch.zeros(1000, dtype=torch.float64)
+with _only_objects_made_inside():
+    kept = {}
+    full = torch.ones(500, dtype=torch.float64)
+    kept["alias"] = full.data
+    kept["view"] = torch.ones(300, dtype=torch.float64)[:2]
+    del full
+    gone = torch.ones(700, dtype=torch.float64)
+    del gone
+    sizes = sorted(_alive_storages().values())
+    walked = len(gc.get_objects())
+print(sizes, walked < 1000, walked)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("[300, 500] True"), out.stdout

@@ -204,6 +204,10 @@ def run_checks(assignment: str, cells: list[tuple[str, str]], *, objects: bytes 
     wanted = {f.strip() for f in only.split(",") if f.strip()} if only else None
     collector = _Collector(student, wanted, measure_speed)
     args = [str(path), "-p", "no:cacheprovider", "-p", "no:terminal", "-p", "no:randomly",
+            # only the plugin the checks use (their backstop timeouts); pytest's end-of-session
+            # collections for unraisable exceptions (the checks run none of the submission's
+            # code here) and the other installed plugins' imports cost 0.7 s a grading
+            "--disable-plugin-autoload", "-p", "pytest_timeout", "-p", "no:unraisableexception",
             "-o", "addopts=",
             # assertion rewriting for the checks module only: "*.py" would rewrite every module
             # imported while grading (sympy, by autograd's first backward: seconds each time)
