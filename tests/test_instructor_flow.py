@@ -3,7 +3,10 @@ students added, the three assignments generated, submissions autograded, feedbac
 grades exported.
 
 Submissions, for every assignment: alice pasted the reference answers and wrote her own
-written answer; bob handed in the released notebook untouched. For A1 also: carol is alice
+written answer; bob handed in the released notebook untouched (for A2 and A3: the smallest
+notebook that still goes through every nbgrader step, the release without the demo cells that
+nbgrader neither grades nor checks, which a student may delete; running them proves nothing
+about nbgrader and cost seconds). For A1 also: carol is alice
 with one planted bug in ``allreduce``, and dave handed in the stubs but redefined ``check``
 (and patched ``autograder.check``) so that every test cell would print PASS in his kernel.
 
@@ -112,7 +115,11 @@ def answered(assignment: str, release: Path) -> nbformat.NotebookNode:
 
 def submissions(assignment: str, release: Path) -> dict[str, nbformat.NotebookNode]:
     """What each student hands in for ``assignment`` (see the module docstring)."""
-    handed_in = {"alice": answered(assignment, release), "bob": nbformat.read(release, as_version=4)}
+    bob = nbformat.read(release, as_version=4)
+    if assignment != "a1_data_parallel":
+        bob.cells = [c for c in bob.cells if c.cell_type != "code"
+                     or any(meta(c).get(k) for k in ("grade", "solution", "locked"))]
+    handed_in = {"alice": answered(assignment, release), "bob": bob}
     if assignment == "a1_data_parallel":
         carol = plant_bugs(answered(assignment, release), {"allreduce": BUGS["allreduce"]})
         dave = nbformat.read(release, as_version=4)
