@@ -417,18 +417,18 @@ def test_the_live_tensor_scan_sees_what_a_case_keeps_and_nothing_from_before():
 
     code = """
 import gc, torch
-from autograder.assignments.a4_sharding.ranks import _alive_storages, _only_objects_made_inside
+from autograder.assignments.a4_sharding.ranks import _alive_storages, _scan_only_what_comes_next
 before = torch.zeros(1000, dtype=torch.float64)
-with _only_objects_made_inside():
-    kept = {}
-    full = torch.ones(500, dtype=torch.float64)
-    kept["alias"] = full.data
-    kept["view"] = torch.ones(300, dtype=torch.float64)[:2]
-    del full
-    gone = torch.ones(700, dtype=torch.float64)
-    del gone
-    sizes = sorted(_alive_storages().values())
-    walked = len(gc.get_objects())
+_scan_only_what_comes_next()
+kept = {}
+full = torch.ones(500, dtype=torch.float64)
+kept["alias"] = full.data
+kept["view"] = torch.ones(300, dtype=torch.float64)[:2]
+del full
+gone = torch.ones(700, dtype=torch.float64)
+del gone
+sizes = sorted(_alive_storages().values())
+walked = len(gc.get_objects())
 print(sizes, walked < 1000, walked)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -193,25 +193,23 @@ def linear_inputs(seed: int, rank: int, batch: int, in_f: int, out_f: int):
             torch.randn(batch, out_f, generator=g, dtype=torch.float64))
 
 
-@contextlib.contextmanager
-def _only_objects_made_inside():
-    """While inside, :func:`_alive_storages` sees only objects made inside: everything alive at
-    entry goes to the collector's permanent generation (``gc.freeze``), which ``gc.get_objects``
-    and ``gc.collect`` skip, and stays there (a rank lives for one run; ``gc.unfreeze`` would
-    hand the rank's imports back to every later collection, see course.launch._worker). Why: a
-    scan of every object of a rank that imported torch.distributed took about 0.2 s, several
-    per case; a scan of what one case made takes microseconds. And why not weak references to
-    the tensors the layer makes: a layer can keep a storage through an alias (``.data``, a view
-    made in C++) whose tracked tensor is gone; the scan finds every live Python tensor,
-    whatever made it."""
+def _scan_only_what_comes_next() -> None:
+    """From now on :func:`_alive_storages` sees only objects made after this call: everything
+    alive now goes to the collector's permanent generation (``gc.freeze``), which
+    ``gc.get_objects`` and ``gc.collect`` skip, and stays there (a rank lives for one run;
+    ``gc.unfreeze`` would hand the rank's imports back to every later collection, see
+    course.launch._worker). Why: a scan of every object of a rank that imported
+    torch.distributed took about 0.2 s, several per case; a scan of what one case made takes
+    microseconds. And why not weak references to the tensors the layer makes: a layer can keep
+    a storage through an alias (``.data``, a view made in C++) whose tracked tensor is gone; the
+    scan finds every live Python tensor, whatever made it."""
     gc.collect()
     gc.freeze()
-    yield
 
 
 def _alive_storages() -> dict[int, int]:
     """{storage address: elements} of the float64 storages that live Python tensors of this
-    process hold (inside :func:`_only_objects_made_inside`: those made inside)."""
+    process hold (after :func:`_scan_only_what_comes_next`: those made since)."""
     gc.collect()
     found = {}
     for obj in gc.get_objects():
@@ -255,37 +253,36 @@ def rank_sharded_linear_case(rank, world_size, i, case, cls, seed):
     in_f, out_f, bias, batch, needs_grad = case
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
-    # earlier cases' results are not this layer's: only what this case makes is scanned
-    scanned = _only_objects_made_inside() if world_size > 1 else contextlib.nullcontext()
     try:
-        with scanned:
-            torch.manual_seed(seed + i)
-            layer = cls(in_f, out_f, bias)
-            initial = [p.detach().clone() for p in layer.parameters()]
-            weight, b = linear_values(seed + i, in_f, out_f, bias)
-            layer.load_full(weight, b) if bias else layer.load_full(weight)
-            del weight, b
-            x, grad_out = linear_inputs(seed + i, rank, batch, in_f, out_f)
-            x.requires_grad_(needs_grad)
-            saved, log = [], []
+        if world_size > 1:  # earlier cases' results are not this layer's
+            _scan_only_what_comes_next()
+        torch.manual_seed(seed + i)
+        layer = cls(in_f, out_f, bias)
+        initial = [p.detach().clone() for p in layer.parameters()]
+        weight, b = linear_values(seed + i, in_f, out_f, bias)
+        layer.load_full(weight, b) if bias else layer.load_full(weight)
+        del weight, b
+        x, grad_out = linear_inputs(seed + i, rank, batch, in_f, out_f)
+        x.requires_grad_(needs_grad)
+        saved, log = [], []
 
-            def pack(t):
-                saved.append(t.untyped_storage().nbytes() // max(t.element_size(), 1))
-                return t
+        def pack(t):
+            saved.append(t.untyped_storage().nbytes() // max(t.element_size(), 1))
+            return t
 
-            with collectives_sized(log):
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    y = layer(x)
-                mine = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-                alive = _largest_alive_settled(
-                    mine | {t.untyped_storage().data_ptr() for t in (x, y, grad_out)},
-                    below=in_f * out_f) if world_size > 1 else None
-                (y * grad_out).sum().backward()
-            params = list(layer.parameters())
-            return {"initial": describe(initial), "output": describe(y.detach()),
-                    "input_grad": describe(x.grad) if needs_grad else describe(None),
-                    "params": describe([p.detach() for p in params]),
-                    "grads": describe([p.grad for p in params]),
-                    "sized": log, "saved": saved, "alive": alive}
+        with collectives_sized(log):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = layer(x)
+            mine = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+            alive = _largest_alive_settled(
+                mine | {t.untyped_storage().data_ptr() for t in (x, y, grad_out)},
+                below=in_f * out_f) if world_size > 1 else None
+            (y * grad_out).sum().backward()
+        params = list(layer.parameters())
+        return {"initial": describe(initial), "output": describe(y.detach()),
+                "input_grad": describe(x.grad) if needs_grad else describe(None),
+                "params": describe([p.detach() for p in params]),
+                "grads": describe([p.grad for p in params]),
+                "sized": log, "saved": saved, "alive": alive}
     finally:
         torch.set_default_dtype(default)
