@@ -223,3 +223,61 @@ def test_a_plain_ring_from_the_text_keeps_every_point(offline_env, tmp_path):
     assert all(r["message"] for r in skipped), report["results"]
     assert points_by_function(report)["ring_allreduce"] == sum(
         r["max_points"] for r in report["results"] if r["status"] != "skipped"), report["stdout"]
+
+
+# ---------------------------------------------------------------------------- the models' smoothness
+
+def test_the_models_the_grader_trains_have_no_kinks():
+    """No ReLU and no max pooling in the models whose float32 training is compared with float64
+    (see ``seeded_model``'s docstring): at a kink one rounding sends a whole gradient elsewhere."""
+    from torch import nn
+
+    from autograder.assignments.a2_ddp.ranks import seeded_model
+
+    smooth = (nn.Sequential, nn.Conv2d, nn.Linear, nn.Tanh, nn.AvgPool2d, nn.Flatten)
+    for kind in ("mlp", "cnn"):
+        kinked = [type(m).__name__ for m in seeded_model(kind, 0).modules()
+                  if not isinstance(m, smooth)]
+        assert not kinked, f"{kind}: {kinked}"
+
+
+def test_float32_training_in_other_orders_stays_far_inside_the_bar():
+    """The weak-scaling check's CNN run on 1 process (512 examples, 2 epochs of 2 steps of 256),
+    trained in float32 on one thread, whole and in 2 and 4 shares (other summation orders, as
+    ranks sum): each strays from the float64 truth by a small part of the tolerance derived
+    from the grader's float32 run. With ReLU and max pooling, a few percent of such runs strayed
+    past the bar (2 to 11 times it): this margin is what a correct submission stands on."""
+    import copy
+
+    import torch
+
+    from autograder.assignments.a2_ddp.checks import SCALING_BATCH, SCALING_LR, scaling_args
+    from autograder.assignments.a2_ddp.expected import one_process_sgd
+    from autograder.assignments.a2_ddp.ranks import make_data, seeded_model
+    from autograder.checking.expect import float32_tolerance_of_all
+    from autograder.checking.training import sgd_steps
+
+    threads = torch.get_num_threads()
+    worst = 0.0
+    try:
+        for seed in (0, 7, 1297474457):
+            _, _, n, epochs, batch, lr = scaling_args(1, seed)
+            X, y = make_data("cnn", seed + 1, n)
+            g = torch.Generator().manual_seed(seed)
+            batches = [(X[rows], y[rows]) for _ in range(epochs)
+                       for rows in torch.randperm(n, generator=g).split(batch)]
+            model = seeded_model("cnn", seed, rank=0)
+            (want, _), (want32, _) = one_process_sgd(model, batches, lr)
+            tol = float32_tolerance_of_all(want, want32)
+            torch.set_num_threads(1)
+            for shares in (1, 2, 4):
+                m = copy.deepcopy(model)
+                sgd_steps(m, batches, lr, shares=shares)
+                stray = max((p.detach().double() - w).abs().max().item()
+                            for p, w in zip(m.parameters(), want))
+                worst = max(worst, stray / tol)
+            torch.set_num_threads(threads)
+    finally:
+        torch.set_num_threads(threads)
+    assert (SCALING_BATCH, SCALING_LR) == (batch, lr)
+    assert worst < 0.2, f"a correct float32 run strayed {worst:.2f} of the bar"

@@ -34,7 +34,10 @@ ONCE_LOST = {
     # and at this one (found by the 50-seed run): the CNN's float32 run on whole batches
     # strayed 3.6e-08 from float64, correct DDP on 2 processes 2.85e-06, over the bar of 16x
     # the former; the bar now comes from the farther of both orders (expected.one_process_sgd)
-    "a2_ddp": [329504206, 204763899],
+    # and at this one (a full-tier run): the timed train_ddp on 1 process strayed past the bar.
+    # All three were one cause: a ReLU or max pool whose float32 and float64 runs went different
+    # ways at a kink; the grader's models are smooth now (a2_ddp/ranks.py seeded_model)
+    "a2_ddp": [329504206, 204763899, 1297474457],
 }
 
 
