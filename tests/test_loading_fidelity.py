@@ -238,3 +238,24 @@ def test_reference_in_real_code_style_scores_full(assignment, offline_env, tmp_p
     report = grade(path, "--speed", "skip", env=offline_env, timeout=900)
     assert_full_marks(report)
     assert not [n for n in report.get("notes", []) if "raised while loading" in n], report["notes"]
+
+
+def test_every_probe_call_runs_in_exact_float32():
+    """A cell that turns TF32 on (as a GPU tutorial would) does not reach the checks: every bar
+    is derived from IEEE float32 runs, so each probe call starts with TF32 off (on an H200,
+    cuDNN's default TF32 cost A1's reference a check)."""
+    import torch
+
+    from autograder.assignments.a1_data_parallel.probes import probe_copy_params
+    from autograder.sandbox import Sandbox
+
+    cell = ("import torch\n"
+            "torch.backends.cudnn.allow_tf32 = True\n"
+            "torch.backends.cuda.matmul.allow_tf32 = True\n"
+            "def copy_params(params, device):\n"
+            "    return [torch.tensor([float(torch.backends.cudnn.allow_tf32),\n"
+            "                          float(torch.backends.cuda.matmul.allow_tf32)])]\n")
+    with Sandbox([("copy_params", cell)]) as box:
+        box.start()
+        reply = box.call(probe_copy_params, [torch.zeros(1)], "cpu", timeout=60)
+    assert reply["out"]["items"][0]["value"].tolist() == [0.0, 0.0]

@@ -33,6 +33,16 @@ COLLECTIVE_TIMEOUT = 20.0
 LAUNCH_TIMEOUT = 90.0
 
 
+def exact_float32() -> None:
+    """float32 arithmetic means float32 in every check: no TF32 in cuBLAS matmuls or cuDNN
+    convolutions. Why: PyTorch lets cuDNN use TF32 (a 10-bit mantissa) by default, while every
+    float32 bar is derived from IEEE float32 runs; on an H200, A1's reference lost a check when
+    its LeNet step strayed 1.5e-3 from float64. Called before each probe call in the sandbox
+    and before the function on each rank (student code may change it again: that is its own)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def run_ranks(fn, world_size: int, *args, backend: str | None = None,
               timeout: float = LAUNCH_TIMEOUT, collective_timeout: float = COLLECTIVE_TIMEOUT,
               in_process: bool = True) -> list:
@@ -87,6 +97,7 @@ def _noting_failure(rank, world_size, errors, payload):
     reported, not a neighbour's broken connection that followed it."""
     try:
         fn, args = as_loaded.loads(payload)
+        exact_float32()
         return fn(rank, world_size, *args)
     except BaseException as exc:
         Path(errors, f"{time.time():.6f}-{rank}").write_text("".join(
