@@ -45,6 +45,7 @@ ASSIGNMENTS: dict[str, Assignment] = {a.name: a for a in [
     Assignment("a3_model_pipeline", "model_pipeline.ipynb"),
     Assignment("a4_sharding", "sharding.ipynb"),
     Assignment("a5_tensor_parallel", "tensor_parallel.ipynb"),
+    Assignment("a6_context_parallel", "context_parallel.ipynb"),
 ]}
 
 

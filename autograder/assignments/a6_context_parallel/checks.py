@@ -1,0 +1,362 @@
+"""Checks for Assignment 6: context parallelism.
+
+Graded: ``merge_attention`` (in the sandbox's process), ``zigzag_shard``/``zigzag_unshard``,
+``ring_attention``, ``ulysses_attention`` and ``train_cp`` (their contracts are in the
+notebook). Each of the last four runs once on 4 processes, where every rank tries it on each
+group of :data:`.ranks.GROUPS` it belongs to (n = 4, 3 without global rank 0, 2, 1); all of the
+function's checks judge that one run (:func:`_run_of`). The grader computes the truth itself
+(:mod:`.expected`): full attention on the whole float64 sequence with its gradients, the
+layouts with its own code, one process training on the whole sequence. Communication and
+matmuls are counted by the ranks' harness, and judged only for right results. Points: spec.py.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autograder.checking.expect import (assert_close, float32_tolerance, float32_tolerance_of_all,
+                                        fresh_generator, sequence, tensor)
+
+from . import expected as E
+from . import ranks as R
+from .probes import probe_merge, probe_ranks
+from .spec import SPEC
+
+graded = SPEC.graded
+EPS = torch.finfo(torch.float64).eps
+#: float64 against float64 where only the order of the additions differs (training)
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+
+
+def _tol64(reference: torch.Tensor) -> dict:
+    """Float64 rounding of a result of this size: a few thousand ulps of its largest entry."""
+    finite = reference[torch.isfinite(reference)]
+    scale = finite.abs().max().item() if finite.numel() else 1.0
+    return dict(rtol=0, atol=4096 * EPS * max(1.0, scale))
+
+
+def _run_of(student, name, *extra):
+    """``(seed, replies)``: the 4 ranks' replies of ``name``'s one run, shared by its checks."""
+    def run():
+        _, seed = fresh_generator()
+        replies = student.call(probe_ranks, name, seed,
+                               E.helper_cells(SPEC.function(name).helpers), *extra)
+        assert isinstance(replies, list) and len(replies) == R.WORLD and \
+            all(isinstance(r, dict) for r in replies), "the probe's reply was tampered with"
+        return seed, replies
+    return student.shared(name, run)
+
+
+def _each(replies, keys, groups=None):
+    """``(group index, n, r, where, key, case)`` for every group, rank in it and case key."""
+    for i, (label, members) in enumerate(R.GROUPS):
+        if groups is not None and i not in groups:
+            continue
+        for r, g in enumerate(members):
+            where = f"on {label}, group rank {r} (global rank {g})"
+            for key in keys:
+                case = replies[g].get((i, key))
+                assert isinstance(case, dict), "the ranks' reply was tampered with"
+                yield i, len(members), r, where, key, case
+
+
+def _close(desc, want, what, seed, **tol):
+    assert_close(tensor(desc, what)["value"], want, what, seed=seed, **(tol or _tol64(want)))
+
+
+# ---------------------------------------------------------------------------- merge_attention
+
+def _merge_results(student, dtype):
+    def run():
+        g, seed = fresh_generator()
+        cases = E.merge_cases(g, dtype)
+        return seed, cases, student.call(probe_merge, cases)
+    seed, cases, replies = student.shared(f"merge {dtype}", run)
+    assert isinstance(replies, list) and len(replies) == len(cases), "the reply was tampered with"
+    return seed, cases, replies
+
+
+def _judge_merge(student, dtype):
+    seed, cases, replies = _merge_results(student, dtype)
+    for case, reply in zip(cases, replies):
+        what = f"merge_attention({str(dtype).removeprefix('torch.')}, {case['what']})"
+        assert reply["unchanged"] is True, f"{what} modified its inputs in place"
+        out_desc, lse_desc = sequence(reply["result"], f"{what}'s result", 2)
+        out = tensor(out_desc, f"{what}'s out")["value"]
+        lse = tensor(lse_desc, f"{what}'s lse")["value"]
+        want_out, want_lse = E.merge(*[t.double() for t in case["inputs"]])
+        for got, want, name in ((out, want_out, "out"), (lse, want_lse, "lse")):
+            assert got.shape == want.shape and got.dtype == dtype, (
+                f"{what}: {name} has shape {tuple(got.shape)} and dtype {got.dtype}, expected "
+                f"{tuple(want.shape)} and {dtype} (inputs from seed {seed})")
+            assert not got.isnan().any(), f"{what}: {name} holds NaN (inputs from seed {seed})"
+        a_empty, b_empty = (case["inputs"][i] == -E.INF for i in (1, 3))
+        for rows, part, name in ((b_empty & ~a_empty, 0, "B"), (a_empty & ~b_empty, 2, "A")):
+            for got, want, label in ((out[rows], case["inputs"][part][rows], "out"),
+                                     (lse[rows], case["inputs"][part + 1][rows], "lse")):
+                assert torch.equal(got, want), (
+                    f"{what}: in the rows masked in part {name} only, {label} should equal the "
+                    f"other part's exactly (inputs from seed {seed})")
+        both = a_empty & b_empty
+        assert (out[both] == 0).all() and (lse[both] == -E.INF).all(), (
+            f"{what}: rows masked in both parts should give out = 0 and lse = -inf")
+        rows = ~(a_empty | b_empty)
+        if dtype == torch.float64:
+            scale = max(1.0, want_lse[rows].abs().max().item())
+            _close(lse_desc, want_lse, f"{what}: lse", seed, rtol=0, atol=64 * EPS * scale)
+            span = max(1.0, want_out[rows].abs().max().item())
+            _close(out_desc, want_out, f"{what}: out", seed, rtol=0,
+                   atol=64 * EPS * scale * span)
+        else:
+            ref32 = E.merge(*case["inputs"])
+            for got, want, mine, name in ((out, want_out, ref32[0], "out"),
+                                          (lse, want_lse, ref32[1], "lse")):
+                tol = float32_tolerance(want[rows], mine[rows])
+                assert_close(got[rows], want[rows].float(), f"{what}: {name} (rows with keys "
+                             "in either part)", rtol=0, atol=tol, seed=seed)
+
+
+@graded
+def test_merge_attention_exact_in_float64(student):
+    _judge_merge(student, torch.float64)
+
+
+@graded
+def test_merge_attention_float32(student):
+    _judge_merge(student, torch.float32)
+
+
+# ---------------------------------------------------------------------------- zig-zag
+
+@graded
+def test_zigzag_shard_and_unshard(student):
+    seed, replies = _run_of(student, "zigzag_shard")
+    for i, n, r, where, c, case in _each(replies, range(len(R.ZIGZAG_CASES))):
+        shape, dim = R.ZIGZAG_CASES[c]
+        x = R.randn(seed + 10 * c + n, *R.zigzag_shape(shape, n, 1 + c % 3))
+        mine = R.take(x, dim, n, r, "zigzag")
+        upstream = R.randn(seed + 5 + 10 * c, *mine.shape)
+        what = f"{where}, x of shape {tuple(x.shape)}, dim={dim}"
+        exact = dict(rtol=0, atol=0)
+        assert "shard_error" not in case, f"{what}: zigzag_shard raised {case['shard_error']}"
+        assert case["shard_traffic"] == [], (
+            f"{what}: zigzag_shard communicated ({case['shard_traffic']}); it needs none")
+        _close(case["shard"], mine, f"{what}: zigzag_shard (chunk r, then chunk 2n-1-r of "
+               "x.chunk(2n, dim))", seed, **exact)
+        assert case["shard_unchanged"], f"{what}: zigzag_shard modified x in place"
+        grad = torch.zeros_like(x).index_copy(dim % x.dim(), R.zigzag_positions(
+            x.size(dim), n, r), upstream)
+        assert case["shard_grad"].get("kind") == "tensor", (
+            f"{what}: x got no gradient through zigzag_shard (plain indexing and cat are "
+            "differentiable)")
+        _close(case["shard_grad"], grad, f"{what}: the gradient of x through zigzag_shard",
+               seed, **exact)
+        assert "unshard_error" not in case, \
+            f"{what}: zigzag_unshard raised {case['unshard_error']}"
+        _close(case["unshard"], x, f"{what}: zigzag_unshard of this rank's shard (the whole "
+               "tensor, on every rank)", seed, **exact)
+        _close(case["round_trip"], mine, f"{what}: zigzag_shard(zigzag_unshard(shard))",
+               seed, **exact)
+    for i, n, r, where, _, case in _each(replies, ["bad"]):
+        for name, size in (("zigzag_shard", f"x.size(1) = {2 * n + 1}"),
+                           ("zigzag_unshard", "x_local.size(1) = 3")):
+            assert case[name.removeprefix("zigzag_")].startswith("ValueError"), (
+                f"{where}: {name} with {size} (dim=1) should raise ValueError; got "
+                f"{case[name.removeprefix('zigzag_')]}")
+
+
+# ---------------------------------------------------------------------------- attention
+
+def _judge_attention(case, truth, n, r, layout, what, seed):
+    """One rank's output and gradients against its shard of the whole-sequence truth."""
+    ref64, ref32 = truth
+    wanted = [R.take(t, 2, n, r, layout) for t in ref64]
+    if ref32 is None:
+        tols = [_tol64(t) for t in wanted]
+    else:
+        tol = float32_tolerance_of_all(ref64, ref32)
+        tols = [dict(rtol=0, atol=tol)] * 4
+        wanted = [t.float() for t in wanted]
+    assert case["unchanged"] is True, f"{what}: q, k or v was modified in place"
+    _close(case["out"], wanted[0], f"{what}: the output (vs full attention on the whole "
+           "sequence)", seed, **tols[0])
+    assert case["backward_ran"], (f"{what}: the output does not require grad: is it the "
+                                  "output of a torch.autograd.Function with a backward?")
+    grads = sequence(case["grads"], f"{what}: the gradients", 3)
+    for desc, want, tol, name in zip(grads, wanted[1:], tols[1:], "qkv"):
+        if desc.get("kind") == "plain" and desc.get("value") is None:
+            raise AssertionError(f"{what}: {name} got no gradient")
+        _close(desc, want, f"{what}: the gradient of {name}", seed, **tol)
+
+
+def _judge_ring(student, layouts):
+    seed, replies = _run_of(student, "ring_attention")
+    for i, n, r, where, c, case in _each(replies, range(len(R.RING_CASES))):
+        layout, causal, strided, dtype = R.RING_CASES[c]
+        if layout not in layouts:
+            continue
+        truth = E.attention(seed + 100 * n + 10 * c, n, causal, R.H, R.L, dtype)
+        what = (f"ring_attention {where}, layout={layout!r}, causal={causal}, {dtype}"
+                + (", strided q, k, v" if strided else ""))
+        _judge_attention(case, truth, n, r, layout, what, seed)
+    return replies
+
+
+@graded
+def test_ring_attention_contiguous_outputs_and_gradients(student):
+    _judge_ring(student, ("contiguous",))
+
+
+@graded
+def test_ring_attention_zigzag_outputs_and_gradients(student):
+    _judge_ring(student, ("zigzag",))
+
+
+def _ring_cases(student):
+    """Every case of the ring's run, once its outputs and gradients are all right."""
+    replies = _judge_ring(student, ("contiguous", "zigzag"))
+    return list(_each(replies, range(len(R.RING_CASES))))
+
+
+@graded
+def test_ring_attention_point_to_point_within_bounds(student):
+    kv = 2 * R.B * R.H * R.L * R.D
+    for i, n, r, where, c, case in _ring_cases(student):
+        layout, causal = R.RING_CASES[c][:2]
+        what = f"ring_attention {where}, layout={layout!r}, causal={causal}"
+        for phase, hops in (("forward", n - 1), ("backward", 2 * n - 1)):
+            calls = case[phase]
+            assert isinstance(calls, list), "the ranks' reply was tampered with"
+            others = sorted({op for op, _, _ in calls} - {"SEND", "RECV"})
+            assert not others, (f"{what}: the {phase} pass issued {', '.join(others)}; ring "
+                                "attention uses point-to-point communication only")
+            sent = sum(elements for op, elements, _ in calls if op == "SEND")
+            assert sent <= hops * kv, (
+                f"{what}: the {phase} pass sent {sent} elements; at most {hops} x (|k| + |v|) "
+                f"= {hops * kv} are allowed")
+
+
+@graded
+def test_ring_attention_memory_and_causal_skipping(student):
+    block = R.B * R.H * R.L * R.L
+    cases = _ring_cases(student)
+    zigzag = {}
+    for i, n, r, where, c, case in cases:
+        layout, causal = R.RING_CASES[c][:2]
+        what = f"ring_attention {where}, layout={layout!r}, causal={causal}"
+        counts = {p: case[f"count_{p}"] for p in ("forward", "backward")}
+        for phase, count in counts.items():
+            assert count["largest"] <= block, (
+                f"{what}: a matmul of the {phase} pass produced {count['largest']} elements; "
+                f"at most batch*heads*L*L = {block} are allowed (B, H, L = {R.B}, {R.H}, {R.L})")
+        scores = counts["forward"]["scores"]
+        if layout == "contiguous":
+            most = (r + 1 if causal else n) * block
+            assert scores <= most, (
+                f"{what}: the forward pass computed {scores} score entries; at most "
+                f"{'(r+1)' if causal else 'n'} * batch*heads*L*L = {most} are allowed"
+                + (" (blocks that the causal mask hides entirely are skipped)" if causal else ""))
+        elif causal:
+            most = block * (n + 1) // 2
+            assert scores <= most, (
+                f"{what}: the forward pass computed {scores} score entries; the zig-zag blocks "
+                f"(the diagonal whole, then half a block per step) make {most}")
+            zigzag.setdefault(i, []).append((r, scores, counts["backward"]["scores"]))
+    for i, entries in zigzag.items():
+        for phase, k in (("forward", 1), ("backward", 2)):
+            per_rank = {entry[0]: entry[k] for entry in entries}
+            assert len(set(per_rank.values())) == 1, (
+                f"ring_attention on {R.GROUPS[i][0]}, layout='zigzag', causal=True: the ranks "
+                f"computed different numbers of score entries in the {phase} pass (group rank: "
+                f"entries {per_rank}); with zig-zag every rank computes the same")
+
+
+# ---------------------------------------------------------------------------- Ulysses
+
+def _judge_ulysses(student):
+    seed, replies = _run_of(student, "ulysses_attention")
+    for i, n, r, where, c, case in _each(replies, (0, 1), R.NOT_THREE):
+        truth = E.attention(seed + 100 * n + 10 * c, n, bool(c), R.U_HEADS, R.U_L, "float64")
+        what = f"ulysses_attention {where}, causal={bool(c)}, {R.U_HEADS} heads"
+        _judge_attention(case, truth, n, r, "contiguous", what, seed)
+    return replies
+
+
+@graded
+def test_ulysses_attention_outputs_and_gradients(student):
+    _judge_ulysses(student)
+
+
+@graded
+def test_ulysses_attention_all_to_alls_and_value_error(student):
+    replies = _judge_ulysses(student)  # counts are given for right results only
+    for i, n, r, where, c, case in _each(replies, (0, 1), R.NOT_THREE):
+        calls = case["forward"]
+        assert isinstance(calls, list), "the ranks' reply was tampered with"
+        ops = [op for op, _, _ in calls]
+        others = sorted(set(ops) - {"ALLTOALL"})
+        assert not others and ops.count("ALLTOALL") <= 4, (
+            f"ulysses_attention {where}, causal={bool(c)}: the forward pass issued "
+            f"{ops or 'nothing'}; expected at most 4 all-to-alls and no other collective or "
+            "point-to-point call")
+    for i, n, r, where, _, case in _each(replies, ["bad"], (0, 2, 3)):
+        heads = R.U_BAD_HEADS[n]
+        assert case["error"].startswith("ValueError"), (
+            f"ulysses_attention {where}: {heads} heads on {n} ranks should raise ValueError; "
+            f"got {case['error']}")
+        assert case["traffic"] == [], (
+            f"ulysses_attention {where}: {heads} heads on {n} ranks communicated "
+            f"({case['traffic']}) before raising; raise before any communication")
+
+
+# ---------------------------------------------------------------------------- train_cp
+
+def _training(student):
+    source = E.setup_source()
+    seed, replies = _run_of(student, "train_cp", source)
+    return seed, replies, student.shared("one process", lambda: E.one_process_training(
+        seed, source))
+
+
+def _judge_training(student, mode):
+    seed, replies, (losses, params) = _training(student)
+    for i, n, r, where, _, case in _each(replies, [mode], R.WHOLE_AND_PAIRS):
+        what = f"train_cp(mode={mode!r}) {where}"
+        got = case["losses"]
+        values = [item.get("value") for item in got.get("items", [])] \
+            if got.get("kind") in ("list", "tuple") else None
+        assert values is not None and len(values) == R.T_STEPS and \
+            all(isinstance(v, float) for v in values), \
+            f"{what}: the losses should be a list of {R.T_STEPS} Python floats"
+        for step, (v, w) in enumerate(zip(values, losses)):
+            assert math.isfinite(v) and abs(v - w) <= 1e-10 * max(1.0, abs(w)), (
+                f"{what}: the loss before update {step} is {v!r}; one process training on "
+                f"the whole sequence had {w!r} (seed {seed})")
+        got = sequence(case["params"], f"{what}: params", len(params))
+        for k, (desc, want) in enumerate(zip(got, params)):
+            _close(desc, want, f"{what}: parameter {k} of list(model.parameters()) after "
+                   f"{R.T_STEPS} steps (vs one process on the whole sequence)", seed, **TIGHT)
+    return replies
+
+
+@graded
+def test_train_cp_ring_matches_one_process_training(student):
+    _judge_training(student, "ring")
+
+
+@graded
+def test_train_cp_ulysses_matches_one_process_training(student):
+    _judge_training(student, "ulysses")
+
+
+@graded
+def test_train_cp_unknown_mode_raises_value_error(student):
+    _judge_training(student, "ring")  # given only when both modes train right
+    replies = _judge_training(student, "ulysses")
+    for i, n, r, where, _, case in _each(replies, ["bad"], R.WHOLE_AND_PAIRS):
+        assert case["error"].startswith("ValueError"), (
+            f"train_cp(mode='megatron') {where} should raise ValueError; got {case['error']}")
+        assert case["traffic"] == [], (
+            f"train_cp(mode='megatron') {where} communicated ({case['traffic']}) before "
+            "raising; raise before any communication")
