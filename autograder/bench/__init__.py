@@ -10,8 +10,9 @@ it measures. Adding one (modules 6-8) is one module in this package and one line
 Shared argument parsing, the machine header and plotting are in :mod:`.common`.
 
 This file stays light (no torch, no grader imports): the listing must work anywhere, and a
-module that is absent from this copy (the student edition leaves ``a4_sharding`` out: it holds
-Assignment 4's answers) is listed as such instead of breaking the command.
+module that is absent from this copy (the student edition leaves ``a4_sharding`` and
+``a6_context_parallel`` out, with ``cp_attention``, the attention the latter measures: they
+hold Assignment 4's and 6's answers) is listed as such instead of breaking the command.
 """
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("tp", "autograder.bench.tp",
               "A5 / lesson 13: dense vs tensor-parallel vs data-parallel MLP block, time and "
               "bytes sent (torch's own TP, no solution needed)"),
+    Benchmark("a6_context_parallel", "autograder.bench.a6_context_parallel",
+              "A6 / lesson 14: full attention vs ring attention vs Ulysses by sequence length "
+              "on 1, 2, 4 processes: time, peak memory per rank, bytes sent"),
     Benchmark("grading", "autograder.bench.grading",
               "the grader: seconds to grade each assignment's reference and stub, processes "
               "started, slowest checks; table into docs/benchmarks.md"),

@@ -8,6 +8,8 @@ It holds what students need and nothing that gives answers away:
 - out: ``solutions/`` (the reference), ``nbgrader_config.py`` (it points at solutions/), ``tests/`` (they grade
   the reference solutions), ``docs/instructor.md``, ``autograder/bench/a4_sharding.py`` (its own
   bucketed all-reduce and ZeRO byte accounting are Assignment 4's answers),
+  ``autograder/bench/a6_context_parallel.py`` and ``autograder/bench/cp_attention.py`` (the
+  benchmark and its own ring attention and Ulysses, which are Assignment 6's answers),
   ``autograder/gpu_check/`` (``make gpu-check`` grades and executes the reference solutions),
   ``docker/compose.reference.yaml``, CI files and hidden files.
 
@@ -40,6 +42,8 @@ INCLUDE = {"course", "autograder", "assignments", "docker", "docs", "README.md",
 #: Inside those, never (glob patterns on the path relative to the repository).
 NEVER = ["docs/instructor*", "docker/compose.reference.yaml",
          "autograder/bench/a4_sharding.py",  # holds A4-like code: bucketing, ZeRO accounting
+         "autograder/bench/a6_context_parallel.py",  # the A6 benchmark, which imports:
+         "autograder/bench/cp_attention.py",  # its own ring attention and Ulysses (A6)
          "autograder/gpu_check/*"]  # needs solutions/ (as scripts/, where it was, never shipped)
 KEEP_DOTFILES = {".gitignore"}
 
