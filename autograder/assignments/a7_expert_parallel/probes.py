@@ -1,0 +1,148 @@
+"""Assignment 7's probes: they run in the sandbox beside the student's code. ``route``,
+``expert_capacity``/``keep_mask``, ``load_balancing_loss`` and ``MoELayer`` are called here, in
+the sandbox's own process; ``ExpertParallelMoE`` and ``train_ep`` start on 4 fresh processes
+(:func:`autograder.checking.ranks.run_ranks`; what each runs is in :mod:`.ranks`). They return
+what came back (no judging here). A function graded with others' help gets the reference
+versions of those (:func:`reference_helpers`), so a bug costs one function's points.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+import types
+
+import torch
+
+from autograder.checking.probes import describe, reference_helpers, student_function
+from autograder.checking.ranks import run_ranks
+
+from . import ranks
+from .spec import SPEC
+
+#: A rank that gloo killed (SIGABRT: it received more bytes than its output tensor holds)
+#: leaves no Python error; its neighbours report a broken connection.
+_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|exited with code -6")
+_LOST_HINT = ("\nA rank was killed by gloo (no Python error of its own): it most likely received "
+              "more rows in an all-to-all than its output tensor had room for. Each rank must "
+              "learn how many rows it will receive from every other rank (exchange the counts "
+              "first) and post exactly those output split sizes.")
+
+
+def _graded(ns, name: str):
+    """The student's class or function ``name``, with clear errors."""
+    if name == "ExpertParallelMoE":
+        cls = ns.get(name)
+        if not isinstance(cls, type) or not callable(getattr(cls, "from_moe", None)):
+            raise LookupError(f"{name} is not defined (or has no from_moe): did its cell run?")
+        return cls
+    if name != "train_ep":
+        return student_function(ns, SPEC.function(name))
+    fn = ns.get(name)  # keyword-only arguments: bound by name
+    if not callable(fn):
+        raise LookupError(f"{name} is not defined (or not a function): did its cell run?")
+    try:
+        inspect.signature(fn).bind(None, None, steps=1, lr=0.1, aux_coef=0.0, group=None)
+    except TypeError:
+        raise TypeError(f"train_ep should take (model_fn, data, *, steps, lr, aux_coef, "
+                        f"group=None); yours takes {inspect.signature(fn)}") from None
+    except ValueError:
+        pass
+    return fn
+
+
+def _helpers(ns, name, helper_cells):
+    holder = types.SimpleNamespace(__globals__=ns)  # where the student's code looks names up
+    return reference_helpers(holder, helper_cells, list(SPEC.function(name).helpers))
+
+
+def probe_ranks(ns, name, seed, helper_cells=None, *args):
+    """The 4 ranks' replies of ``name``'s run (on gloo: the checks' tensors are CPU float64)."""
+    fn = _graded(ns, name)
+    body = ranks.rank_ep if name == "ExpertParallelMoE" else ranks.rank_train
+    with _helpers(ns, name, helper_cells):
+        moe_class = student_function(ns, SPEC.function("MoELayer"))
+        try:
+            return run_ranks(body, ranks.WORLD, fn, moe_class, seed, *args, backend="gloo",
+                             timeout=75.0)
+        except RuntimeError as exc:
+            if _LOST.search(str(exc)):
+                raise RuntimeError(str(exc) + _LOST_HINT) from None
+            raise
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.clone().requires_grad_()
+
+
+def probe_route(ns, cases):
+    """``route`` on each case and the gradient of (weights * upstream).sum() w.r.t. the
+    logits; what k = 0 and k = E + 1 raise."""
+    fn = student_function(ns, SPEC.function("route"))
+    out = []
+    for case in cases:
+        logits = _leaf(case["logits"])
+        result = fn(logits, case["k"])
+        weights = result[0] if isinstance(result, (tuple, list)) and len(result) == 2 else None
+        ran = isinstance(weights, torch.Tensor) and weights.requires_grad and \
+            weights.shape == case["upstream"].shape
+        if ran:
+            (weights * case["upstream"]).sum().backward()
+        out.append({"result": describe(result), "grad": describe(logits.grad),
+                    "backward_ran": ran})
+    E = cases[0]["logits"].size(-1)
+    bad = {k: ranks.error_of(lambda k=k: fn(cases[0]["logits"].clone(), k)) for k in (0, E + 1)}
+    return out, bad
+
+
+def probe_capacity(ns, cases, errors):
+    """``expert_capacity`` on each case (the value and its type), what each bad case raises."""
+    fn = student_function(ns, SPEC.function("expert_capacity"))
+    values = []
+    for case in cases:
+        value = fn(*case)
+        values.append({"value": value if type(value) in (int, float, bool) else None,
+                       "type": type(value).__name__})
+    return values, [ranks.error_of(lambda case=case: fn(*case)) for case in errors]
+
+
+def probe_keep(ns, cases):
+    """``keep_mask`` on each case."""
+    fn = student_function(ns, SPEC.function("keep_mask"))
+    return [{"mask": describe(fn(case["experts"].clone(), case["capacity"]))} for case in cases]
+
+
+def probe_balance(ns, cases):
+    """``load_balancing_loss`` on each case and the gradient of the loss w.r.t. the logits."""
+    fn = student_function(ns, SPEC.function("load_balancing_loss"))
+    out = []
+    for case in cases:
+        logits = _leaf(case["logits"])
+        loss = fn(logits, case["experts"].clone(), case["num_experts"])
+        ran = isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad
+        if ran:
+            loss.sum().backward()
+        out.append({"loss": describe(loss), "grad": describe(logits.grad), "backward_ran": ran})
+    return out
+
+
+def probe_moe(ns, cases, helper_cells=None):
+    """``MoELayer`` (its given ``__init__``) holding each case's weights: ``forward(x)``,
+    backward of (y * upstream).sum() + c * aux; outputs, gradients of x, the router and every
+    expert."""
+    with _helpers(ns, "MoELayer", helper_cells):
+        cls = student_function(ns, SPEC.function("MoELayer"))
+        out = []
+        for case in cases:
+            moe = ranks.load_moe(cls, case["state"], case["k"], case["capacity_factor"])
+            x = _leaf(case["x"])
+            result = moe(x)
+            y, aux = result if isinstance(result, (tuple, list)) and len(result) == 2 \
+                else (result, None)
+            ran = all(isinstance(t, torch.Tensor) for t in (y, aux)) and \
+                y.shape == x.shape and aux.numel() == 1 and (y.requires_grad or aux.requires_grad)
+            if ran:
+                ((y * case["upstream"]).sum() + case["c"] * aux.sum()).backward()
+            out.append({"y": describe(y), "aux": describe(aux), "backward_ran": ran,
+                        "x_grad": describe(x.grad),
+                        "grads": {name: describe(p.grad) for name, p in moe.named_parameters()}})
+        return out
