@@ -10,9 +10,10 @@ it measures. Adding one (modules 6-8) is one module in this package and one line
 Shared argument parsing, the machine header and plotting are in :mod:`.common`.
 
 This file stays light (no torch, no grader imports): the listing must work anywhere, and a
-module that is absent from this copy (the student edition leaves ``a4_sharding`` and
-``a6_context_parallel`` out, with ``cp_attention``, the attention the latter measures: they
-hold Assignment 4's and 6's answers) is listed as such instead of breaking the command.
+module that is absent from this copy (the student edition leaves ``a4_sharding``,
+``a6_context_parallel`` with ``cp_attention``, the attention it measures, and
+``a7_expert_parallel`` with ``moe_dispatch``, its mixture-of-experts layer, out: they hold
+Assignments 4's, 6's and 7's answers) is listed as such instead of breaking the command.
 """
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("a6_context_parallel", "autograder.bench.a6_context_parallel",
               "A6 / lesson 14: full attention vs ring attention vs Ulysses by sequence length "
               "on 1, 2, 4 processes: time, peak memory per rank, bytes sent"),
+    Benchmark("a7_expert_parallel", "autograder.bench.a7_expert_parallel",
+              "A7 / lesson 15: a mixture-of-experts layer, expert-parallel on 1, 2, 4 "
+              "processes, E = 4, 8, 16, untrained vs balanced router: time, bytes sent per "
+              "rank, load imbalance"),
     Benchmark("grading", "autograder.bench.grading",
               "the grader: seconds to grade each assignment's reference and stub, processes "
               "started, slowest checks; table into docs/benchmarks.md"),

@@ -10,6 +10,8 @@ It holds what students need and nothing that gives answers away:
   bucketed all-reduce and ZeRO byte accounting are Assignment 4's answers),
   ``autograder/bench/a6_context_parallel.py`` and ``autograder/bench/cp_attention.py`` (the
   benchmark and its own ring attention and Ulysses, which are Assignment 6's answers),
+  ``autograder/bench/a7_expert_parallel.py`` and ``autograder/bench/moe_dispatch.py`` (the
+  benchmark and its own routing, capacity and expert-parallel dispatch: Assignment 7's answers),
   ``autograder/gpu_check/`` (``make gpu-check`` grades and executes the reference solutions),
   ``docker/compose.reference.yaml``, CI files and hidden files.
 
@@ -44,6 +46,8 @@ NEVER = ["docs/instructor*", "docker/compose.reference.yaml",
          "autograder/bench/a4_sharding.py",  # holds A4-like code: bucketing, ZeRO accounting
          "autograder/bench/a6_context_parallel.py",  # the A6 benchmark, which imports:
          "autograder/bench/cp_attention.py",  # its own ring attention and Ulysses (A6)
+         "autograder/bench/a7_expert_parallel.py",  # the A7 benchmark, which imports:
+         "autograder/bench/moe_dispatch.py",  # its own routing, capacity, EP dispatch (A7)
          "autograder/gpu_check/*"]  # needs solutions/ (as scripts/, where it was, never shipped)
 KEEP_DOTFILES = {".gitignore"}
 
