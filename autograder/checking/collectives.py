@@ -147,3 +147,57 @@ def traffic_on_groups(groups: dict, *, new_groups: bool = False, outputs: bool =
             setattr(space, name, old)
         for group, hook_id in hooked:
             group.unregister_pre_hook(hook_id)
+
+
+_EVERY_GROUP_HOOK_ID = _HOOK_ID + 500
+
+
+@contextlib.contextmanager
+def calls_on_every_group():
+    """While inside, every call on any process group of this rank (those that exist, and those
+    created inside) is noted in the yielded list as ``(op, input elements, output elements)``:
+    point-to-point (SEND, RECV) and collectives alike, however they were reached (plain,
+    functional or autograd collectives). A6 and A7 judge a rank's whole communication with it,
+    whatever group the student's code used."""
+    import torch.distributed.distributed_c10d as c10d
+
+    log: list = []
+    hooked: list = []
+
+    def watch(group):
+        if group is None or any(g is group for g in hooked):
+            return
+
+        def hook(args):
+            op = getattr(args.name, "name", str(args.name))
+            log.append((op, sum(t.numel() for t in args.input_tensors),
+                        sum(t.numel() for t in args.output_tensors)))
+        group.register_pre_hook(_EVERY_GROUP_HOOK_ID, hook)
+        hooked.append(group)
+
+    for group in list(c10d._world.pg_map):
+        watch(group)
+    patched = []
+
+    def watching(original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            group = original(*args, **kwargs)
+            if isinstance(group, dist.ProcessGroup):
+                watch(group)
+            return group
+        return wrapper
+
+    for space in (dist, c10d):
+        for name in ("new_group", "split_group"):
+            if callable(getattr(space, name, None)):
+                patched.append((space, name, getattr(space, name)))
+    for space, name, old in patched:
+        setattr(space, name, watching(old))
+    try:
+        yield log
+    finally:
+        for space, name, old in reversed(patched):
+            setattr(space, name, old)
+        for group in hooked:
+            group.unregister_pre_hook(_EVERY_GROUP_HOOK_ID)

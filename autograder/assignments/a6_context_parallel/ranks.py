@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autograder.checking.collectives import calls_on_every_group
 from autograder.checking.probes import describe
 
 F64 = torch.float64
@@ -77,7 +78,6 @@ def full_inputs(seed: int, n: int, heads: int = H, length: int = L, dtype: str =
 
 # ---------------------------------------------------------------------------- what a rank sees
 
-_HOOK_ID = 616161
 _MATMULS = {"mm", "bmm", "baddbmm", "addmm", "addbmm", "matmul", "mv", "addmv", "dot"}
 
 
@@ -112,55 +112,6 @@ class MatmulCounter(TorchDispatchMode):
 
     def result(self) -> dict:
         return {"largest": self.largest, "scores": self.scores}
-
-
-@contextlib.contextmanager
-def traffic():
-    """While inside, every call on any process group of this rank (those that exist, and those
-    created inside) is noted in the yielded list as ``(op, input elements, output elements)``:
-    point-to-point (SEND, RECV) and collectives alike, however they were reached."""
-    import torch.distributed.distributed_c10d as c10d
-
-    log: list = []
-    hooked: list = []
-
-    def watch(group):
-        if group is None or any(g is group for g in hooked):
-            return
-
-        def hook(args):
-            op = getattr(args.name, "name", str(args.name))
-            log.append((op, sum(t.numel() for t in args.input_tensors),
-                        sum(t.numel() for t in args.output_tensors)))
-        group.register_pre_hook(_HOOK_ID, hook)
-        hooked.append(group)
-
-    for group in list(c10d._world.pg_map):
-        watch(group)
-    patched = []
-
-    def watching(original):
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            group = original(*args, **kwargs)
-            if isinstance(group, dist.ProcessGroup):
-                watch(group)
-            return group
-        return wrapper
-
-    for space in (dist, c10d):
-        for name in ("new_group", "split_group"):
-            if callable(getattr(space, name, None)):
-                patched.append((space, name, getattr(space, name)))
-    for space, name, old in patched:
-        setattr(space, name, watching(old))
-    try:
-        yield log
-    finally:
-        for space, name, old in reversed(patched):
-            setattr(space, name, old)
-        for group in hooked:
-            group.unregister_pre_hook(_HOOK_ID)
 
 
 def _error(exc) -> str:
@@ -221,12 +172,12 @@ def attention_case(fn, seed, n, r, *, layout="contiguous", strided=False, heads=
     args = [v for v, _, _ in views]
     before = [a.detach().clone() for a in args]
     counter = MatmulCounter(D) if count else contextlib.nullcontext()
-    with traffic() as forward, counter:
+    with calls_on_every_group() as forward, counter:
         out = fn(*args)
     fwd = counter.result() if count else None
     counter = MatmulCounter(D) if count else contextlib.nullcontext()
     backward_ran = isinstance(out, torch.Tensor) and out.requires_grad and out.shape == dO.shape
-    with traffic() as backward, counter:
+    with calls_on_every_group() as backward, counter:
         if backward_ran:
             (out * dO).sum().backward()
     grads = [None if leaf.grad is None else back(leaf.grad) for _, leaf, back in views]
@@ -256,7 +207,7 @@ def rank_ulysses(rank, world_size, fn, seed):
         if n == 1:
             continue
         bad = [randn(seed + 7, B, U_BAD_HEADS[n], U_L, D) for _ in range(3)]
-        with traffic() as sent:
+        with calls_on_every_group() as sent:
             out[(i, "bad")] = {"error": error_of(lambda: fn(*bad, group=group)),
                                "traffic": sent}
     return out
@@ -278,7 +229,7 @@ def _zigzag_case(shard, unshard, x, dim, n, r, group, upstream) -> dict:
     case: dict = {}
     mine = x.clone().requires_grad_()
     try:
-        with traffic() as sent:
+        with calls_on_every_group() as sent:
             got = shard(mine, dim, group)
         case.update(shard=describe(got), shard_traffic=sent)
         if isinstance(got, torch.Tensor) and got.requires_grad and got.shape == upstream.shape:
@@ -359,7 +310,7 @@ def rank_train(rank, world_size, fn, seed, setup_source):
             out[(i, mode)] = {"losses": describe(losses), "params": describe(
                 [p.detach() if isinstance(p, torch.Tensor) else p for p in params]
                 if isinstance(params, (list, tuple)) else params)}
-        with traffic() as sent:
+        with calls_on_every_group() as sent:
             error = error_of(lambda: fn(model_fn, tokens.clone(), mode="megatron", steps=1,
                                         lr=T_LR, group=group))
         out[(i, "bad")] = {"error": error, "traffic": sent}

@@ -12,12 +12,12 @@ module, so it imports nothing heavier than torch.
 from __future__ import annotations
 
 import ast
-import contextlib
 import functools
 
 import torch
 import torch.distributed as dist
 
+from autograder.checking.collectives import calls_on_every_group
 from autograder.checking.probes import describe
 
 F64 = torch.float64
@@ -102,53 +102,6 @@ def load_moe(moe_class, state: dict, k: int, capacity_factor):
 
 # ---------------------------------------------------------------------------- what a rank sends
 
-_HOOK_ID = 717171
-
-
-@contextlib.contextmanager
-def traffic():
-    """While inside, every call on any process group of this rank (those that exist, and those
-    created inside) is noted in the yielded list as ``(op, input elements, output elements)``:
-    point-to-point (SEND, RECV) and collectives alike, however they were reached."""
-    import torch.distributed.distributed_c10d as c10d
-
-    log: list = []
-    hooked: list = []
-
-    def watch(group):
-        if group is None or any(g is group for g in hooked):
-            return
-
-        def hook(args):
-            log.append((getattr(args.name, "name", str(args.name)),
-                        sum(t.numel() for t in args.input_tensors),
-                        sum(t.numel() for t in args.output_tensors)))
-        group.register_pre_hook(_HOOK_ID, hook)
-        hooked.append(group)
-
-    for group in list(c10d._world.pg_map):
-        watch(group)
-
-    def watching(original):
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            group = original(*args, **kwargs)
-            if isinstance(group, dist.ProcessGroup):
-                watch(group)
-            return group
-        return wrapper
-
-    patched = [(space, name, getattr(space, name)) for space in (dist, c10d)
-               for name in ("new_group", "split_group") if callable(getattr(space, name, None))]
-    for space, name, old in patched:
-        setattr(space, name, watching(old))
-    try:
-        yield log
-    finally:
-        for space, name, old in reversed(patched):
-            setattr(space, name, old)
-        for group in hooked:
-            group.unregister_pre_hook(_HOOK_ID)
 
 
 def error_of(call) -> str:
@@ -210,12 +163,12 @@ def ep_case(cls, moe_class, seed, n, r, group, c) -> dict:
     case = {"attributes": _attributes(ep, moe, group)}
     x, g = ep_inputs(seed, n, c, r)
     leaf = x.clone().requires_grad_()
-    with traffic() as forward:
+    with calls_on_every_group() as forward:
         result = ep(leaf)
     y, aux = result if isinstance(result, (tuple, list)) and len(result) == 2 else (result, None)
     ran = all(isinstance(t, torch.Tensor) for t in (y, aux)) and y.shape == g.shape and \
         aux.numel() == 1 and (y.requires_grad or aux.requires_grad)
-    with traffic() as backward:
+    with calls_on_every_group() as backward:
         if ran:
             ((y * g).sum() + C_AUX * aux.sum()).backward()
     experts = ep.experts if isinstance(getattr(ep, "experts", None), torch.nn.ModuleList) else []
