@@ -34,6 +34,20 @@ def fresh_generator() -> tuple[torch.Generator, int]:
     seed = _run["rng"].getrandbits(31)
     return torch.Generator().manual_seed(seed), seed
 
+def shared_rank_replies(student, key: str, world: int, probe, args_of) -> tuple[int, list]:
+    """``(seed, replies)`` of one run of a multi-process ``probe`` on a fresh seed, shared by
+    every check that asks for ``key`` (one launch judged by all of a function's checks):
+    ``args_of(seed)`` gives the probe's arguments, and the reply must hold one dict per rank of
+    ``world``."""
+    def run():
+        _, seed = fresh_generator()
+        replies = student.call(probe, *args_of(seed))
+        assert isinstance(replies, list) and len(replies) == world and \
+            all(isinstance(r, dict) for r in replies), "the probe's reply was tampered with"
+        return seed, replies
+    return student.shared(key, run)
+
+
 def tensor(desc, what: str) -> dict:
     """Assert ``desc`` describes a plain ``torch.Tensor``; return the description."""
     assert isinstance(desc, dict), f"{what}: the probe's reply was tampered with"

@@ -16,7 +16,7 @@ import math
 import torch
 
 from autograder.checking.expect import (assert_close, float32_tolerance, float32_tolerance_of_all,
-                                        fresh_generator, sequence, tensor)
+                                        fresh_generator, sequence, shared_rank_replies, tensor)
 
 from . import expected as E
 from . import ranks as R
@@ -38,14 +38,9 @@ def _tol64(reference: torch.Tensor) -> dict:
 
 def _run_of(student, name, *extra):
     """``(seed, replies)``: the 4 ranks' replies of ``name``'s one run, shared by its checks."""
-    def run():
-        _, seed = fresh_generator()
-        replies = student.call(probe_ranks, name, seed,
-                               E.helper_cells(SPEC.function(name).helpers), *extra)
-        assert isinstance(replies, list) and len(replies) == R.WORLD and \
-            all(isinstance(r, dict) for r in replies), "the probe's reply was tampered with"
-        return seed, replies
-    return student.shared(name, run)
+    helpers = E.helper_cells(SPEC.function(name).helpers)
+    return shared_rank_replies(student, name, R.WORLD, probe_ranks,
+                               lambda seed: (name, seed, helpers, *extra))
 
 
 def _each(replies, keys, groups=None):

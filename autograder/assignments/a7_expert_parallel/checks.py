@@ -14,7 +14,7 @@ import math
 import torch
 
 from autograder.checking.expect import (assert_close, float32_tolerance, fresh_generator,
-                                        sequence, tensor)
+                                        sequence, shared_rank_replies, tensor)
 
 from . import expected as E
 from . import ranks as R
@@ -233,14 +233,9 @@ def test_MoELayer_gradients_of_the_experts(student):
 
 def _run_of(student, name, *extra):
     """``(seed, replies)``: the 4 ranks' replies of ``name``'s one run, shared by its checks."""
-    def run():
-        _, seed = fresh_generator()
-        replies = student.call(probe_ranks, name, seed,
-                               E.helper_cells(SPEC.function(name).helpers), *extra)
-        assert isinstance(replies, list) and len(replies) == R.WORLD and \
-            all(isinstance(r, dict) for r in replies), "the probe's reply was tampered with"
-        return seed, replies
-    return student.shared(name, run)
+    helpers = E.helper_cells(SPEC.function(name).helpers)
+    return shared_rank_replies(student, name, R.WORLD, probe_ranks,
+                               lambda seed: (name, seed, helpers, *extra))
 
 
 def _each(replies, keys):
