@@ -5,6 +5,7 @@
 - :mod:`course.data`: Fashion-MNIST through torchvision, or an announced synthetic stand-in.
 - :mod:`course.models`: LeNet (functional, with a parameter list) and ResNet-18.
 - :mod:`course.launch`: run a notebook-defined function on N processes.
+- :mod:`course.planning`: memory per GPU and time per step of a parallel training run, on paper.
 
 Set ``COURSE_FULL=1`` in the environment for real-sized runs; by default every lesson runs
 in a quick mode small enough for a laptop CPU.

@@ -93,6 +93,23 @@ def test_no_lesson_writes_a4s_functions():
             assert not re.search(rf"^\s*(def|class)\s+{name}\b", code, flags=re.MULTILINE), (path.name, name)
 
 
+def test_no_lesson_writes_a8s_functions_or_formulas():
+    """Assignment 8 asks for these functions, with its own stated formulas (float32 everywhere, its
+    activation count, FLOP count and bandwidth-by-group rule): lesson 16 and `course.planning` model
+    memory and time the published way (mixed precision, Korthikanti's bytes, 6N FLOPs) and search
+    no configurations; no lesson defines A8's functions or states its formulas."""
+    names = ("per_rank_memory", "step_time", "best_config", "train_3d")
+    fragments = ("12sh/tp", "(a/tp)s", "24mbsh", "min(pp-i", "size*stride")
+    sources = [(path.name, "\n".join(c.source for c in nbformat.read(path, as_version=4).cells)) for path in LESSONS]
+    sources.append(("course/planning.py", (REPO / "course" / "planning.py").read_text()))
+    for name, source in sources:
+        for function in names:
+            assert not re.search(rf"^\s*(def|class)\s+{function}\b", source, flags=re.MULTILINE), (name, function)
+        flat = re.sub(r"[\s$*\u00b7`]", "", source)
+        for fragment in fragments:
+            assert re.sub(r"[\s$*\u00b7`]", "", fragment) not in flat, (name, fragment)
+
+
 def test_no_lesson_wraps_blocks_the_way_a4_part_7_asks():
     """A4 Part 7 asks for FSDP2 per block with a mixed-precision policy, the last block kept
     unsharded after forward and HSDP on a 2-D mesh: lesson 11 teaches these APIs on one unit at

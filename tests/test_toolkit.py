@@ -1,4 +1,5 @@
-"""Unit tests of the `course` toolkit: devices, timing, data (on tiny files), models, launch.
+"""Unit tests of the `course` toolkit: devices, timing, data (on tiny files), models, launch,
+planning (against the figures its sources print).
 
 Tier: quick: the toolkit's units, launches included.
 """
@@ -177,3 +178,73 @@ def test_launch_without_the_fork_server(monkeypatch, capfd):
     assert "[rank 1] sum is 1.0" in capfd.readouterr().out
     with pytest.raises(LaunchError, match="rank one broke"):
         launch(_fail_on_rank_one, 2, collective_timeout=10, quiet=True)
+
+
+def test_planning_reproduces_published_figures():
+    """course.planning against the figures its sources print (lesson 16's memory and time model)."""
+    from course import planning
+
+    # 16 bytes per parameter: bf16 weights and gradients + fp32 master and Adam's moments (ZeRO 3.1,
+    # K = 12; the Playbook), and Adam entirely in fp32 (lesson 10) alike
+    for precision in (planning.MIXED, planning.FP32):
+        assert precision.param + precision.grad + precision.optimizer == 16
+    # ZeRO paper, Figure 1: 7.5 B parameters, K = 12, Nd = 64: 120, 31.4, 16.6 and 1.9 GB per GPU
+    totals = [sum(planning.state_bytes(7.5e9, dp=64, zero=z).values()) / 1e9 for z in range(4)]
+    assert [round(t, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]
+    assert planning.state_bytes(7.5e9, dp=64, zero=3)["params"] == 7.5e9 * 2 / 64
+    # Korthikanti et al., Table 2, for GPT-3's shape (s 2048, h 12288, a 96: 5as/h = 80), t = 8
+    s, h, a, t = 2048, 12288, 96, 8
+    sbh = s * h
+
+    def act(**options):
+        return planning.activation_bytes(s, 1, h, a, **options)
+
+    assert act() == sbh * (34 + 80)
+    assert act(tp=t) == pytest.approx(sbh * (10 + 24 / t + 80 / t))
+    assert act(tp=t, sp=True) == pytest.approx(act() / t)
+    assert act(tp=t, sp=True, recompute="selective") == pytest.approx(34 * sbh / t)
+    assert act(tp=t, recompute="selective") == pytest.approx(sbh * (10 + 24 / t))
+    assert act(recompute="full") == 2 * sbh
+    assert round(1 - act(recompute="selective") / act(), 2) == 0.70  # section 5: "70 %" for GPT-3
+    assert act(bytes_per_value=4) == 2 * act()                         # the fp32 runs: twice the bytes
+    assert planning.activation_bytes(s, 2, h, a, layers=3) == 6 * act()
+    # the bubble: (p - 1) / m, and / v interleaved (Narayanan et al. 2021, 2.2.1-2.2.2)
+    assert planning.bubble_fraction(4, 8) == 3 / 8 and planning.bubble_fraction(4, 8, interleave=2) == 3 / 16
+    # in flight on the first stage: GPipe m, 1F1B p (so L / p layers x p = L layers' worth)
+    assert planning.first_stage_in_flight(4, 8, "gpipe") == 8
+    assert planning.first_stage_in_flight(4, 8) == 4 and planning.first_stage_in_flight(4, 2) == 2
+    # ring collectives: 2 (n - 1) / n and (n - 1) / n of the bytes per link
+    assert planning.allreduce_seconds(8e9, 8, 1e9) == pytest.approx(14.0)
+    assert planning.allgather_seconds(8e9, 8, 1e9) == pytest.approx(7.0)
+    # Llama 3 8B and 70B from their shapes: 8.03 B and 70.6 B parameters (Meta's model cards)
+    assert round(planning.llama_params(32, 4096, 32, 8, 14336, 128256) / 1e9, 2) == 8.03
+    assert round(planning.llama_params(80, 8192, 64, 8, 28672, 128256) / 1e9, 1) == 70.6
+
+
+def test_planning_estimates_add_up():
+    from course import planning
+
+    model = planning.Model(n_params=1e9, layers=16, hidden=2048, heads=16, seq=2048)
+    one = planning.Layout(global_batch=8, micro_batch=8)
+    step = planning.estimate_step(model, one, planning.H100, tp_bandwidth=1, dp_bandwidth=1, pp_bandwidth=1,
+                                  efficiency=0.4)
+    assert step["compute"] == pytest.approx(6e9 * 8 * 2048 / (989e12 * 0.4))
+    assert step["total"] == step["compute"] and step["mfu"] == pytest.approx(0.4)
+    memory = planning.estimate_memory(model, one, planning.FP32)
+    assert memory["params"] + memory["grads"] + memory["optimizer"] == 16e9
+    assert memory["activations"] == planning.activation_bytes(2048, 8, 2048, 16, 16, bytes_per_value=4)
+    assert memory["total"] == pytest.approx(16e9 + memory["activations"])
+    piped = planning.Layout(dp=2, tp=2, pp=4, zero=1, micro_batch=1, global_batch=16)
+    assert piped.gpus == 16 and piped.micro_batches == 8
+    memory = planning.estimate_memory(model, piped)
+    assert memory["params"] == 1e9 / 8 * 2 and memory["optimizer"] == 1e9 / 8 * 12 / 2
+    assert memory["activations"] == 4 * planning.activation_bytes(2048, 1, 2048, 16, 4, tp=2)
+    step = planning.estimate_step(model, piped, planning.H100, tp_bandwidth=450e9, dp_bandwidth=50e9,
+                                  pp_bandwidth=50e9)
+    assert step["bubble"] == pytest.approx(step["compute"] * 3 / 8)
+    assert step["total"] == pytest.approx(sum(step[k] for k in ("compute", "bubble", "tp", "exposed_dp", "pp")))
+    for bad in (dict(zero=4), dict(recompute="some")):
+        with pytest.raises(ValueError):
+            planning.estimate_memory(model, planning.Layout(global_batch=8, **bad))
+    with pytest.raises(ValueError, match="multiple"):
+        planning.Layout(dp=3, global_batch=8).micro_batches
