@@ -47,6 +47,7 @@ ASSIGNMENTS: dict[str, Assignment] = {a.name: a for a in [
     Assignment("a5_tensor_parallel", "tensor_parallel.ipynb"),
     Assignment("a6_context_parallel", "context_parallel.ipynb"),
     Assignment("a7_expert_parallel", "expert_parallel.ipynb"),
+    Assignment("a8_composition", "composition.ipynb"),
 ]}
 
 

@@ -3,7 +3,8 @@
 Two layers: python wrappers around torch.distributed's collective functions (also where the
 code's globals hold them under their own names), and a pre-hook on the default process group,
 which sees every collective issued on it however it was reached (functional collectives
-included). Point-to-point sends and receives are not counted.
+included); pre-hooks on given groups (:func:`traffic_on_groups`) or on every group of a rank
+(:func:`calls_on_every_group`, which notes point-to-point sends and receives too).
 """
 from __future__ import annotations
 
@@ -153,25 +154,39 @@ _EVERY_GROUP_HOOK_ID = _HOOK_ID + 500
 
 
 @contextlib.contextmanager
-def calls_on_every_group():
+def calls_on_every_group(*, by_group: bool = False, log: list | None = None):
     """While inside, every call on any process group of this rank (those that exist, and those
-    created inside) is noted in the yielded list as ``(op, input elements, output elements)``:
-    point-to-point (SEND, RECV) and collectives alike, however they were reached (plain,
-    functional or autograd collectives). A6 and A7 judge a rank's whole communication with it,
-    whatever group the student's code used."""
+    created inside, by ``new_group``, ``split_group`` or a device mesh) is noted in the yielded
+    list as ``(op, input elements, output elements)``: point-to-point (SEND, RECV) and
+    collectives alike, however they were reached (plain, functional or autograd collectives).
+    A6 and A7 judge a rank's whole communication with it, whatever group the student's code
+    used. With ``by_group``, each note is ``(group's ranks, op, peer, input elements, output
+    elements)``: the group's ranks (a tuple, in the default group's numbering) and, for SEND
+    and RECV, the other rank (None for the others, or a receive from any source): A8 judges
+    which group each call went to. ``log``: the list to note into (a new one if None; A8's
+    ranks pass one that also reports a call to a wrong group as it happens)."""
+    import sys
+
     import torch.distributed.distributed_c10d as c10d
 
-    log: list = []
+    log = [] if log is None else log
     hooked: list = []
 
     def watch(group):
         if group is None or any(g is group for g in hooked):
             return
+        ranks = tuple(dist.get_process_group_ranks(group)) if by_group else ()
 
         def hook(args):
             op = getattr(args.name, "name", str(args.name))
-            log.append((op, sum(t.numel() for t in args.input_tensors),
-                        sum(t.numel() for t in args.output_tensors)))
+            elements = (sum(t.numel() for t in args.input_tensors),
+                        sum(t.numel() for t in args.output_tensors))
+            if not by_group:
+                log.append((op, *elements))
+                return
+            root = getattr(args, "root", -1)
+            peer = ranks[root] if op in ("SEND", "RECV") and 0 <= root < len(ranks) else None
+            log.append((ranks, op, peer, *elements))
         group.register_pre_hook(_EVERY_GROUP_HOOK_ID, hook)
         hooked.append(group)
 
@@ -188,8 +203,10 @@ def calls_on_every_group():
             return group
         return wrapper
 
-    for space in (dist, c10d):
-        for name in ("new_group", "split_group"):
+    # a device mesh calls the names it imported; new_group goes through _new_group_with_tag
+    spaces = [dist, c10d, sys.modules.get("torch.distributed.device_mesh")]
+    for space in filter(None, spaces):
+        for name in ("new_group", "split_group", "_new_group_with_tag"):
             if callable(getattr(space, name, None)):
                 patched.append((space, name, getattr(space, name)))
     for space, name, old in patched:

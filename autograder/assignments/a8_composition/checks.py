@@ -1,0 +1,302 @@
+"""Checks for Assignment 8: composing parallelisms.
+
+Graded: the cost model (``per_rank_memory``, ``step_time``, ``best_config``: in the sandbox's
+process, against the grader's exact arithmetic in :mod:`.expected`) and ``train_3d``: one run
+on 8 processes trains every mesh of :data:`.ranks.RUNS` (:func:`_train_run`), judged by all of
+its checks against one process training the dense model (float64). Communication is counted by
+the ranks' harness, per group. A function's later checks count only when its values are right.
+Points: spec.py.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autograder.checking.expect import assert_close, fresh_generator, tensor
+
+from . import expected as E
+from . import ranks as R
+from .probes import probe_best, probe_cost, probe_train
+from .spec import SPEC
+
+graded = SPEC.graded
+EPS = torch.finfo(torch.float64).eps
+#: step_time's tolerance, relative to the exact value (fractions of the float inputs). Why:
+#: every term is a product and quotient of exact integers and the float inputs, at most ~10
+#: roundings of 2**-53 each in any order, and the terms are positive (a sum without
+#: cancellation), so correct float code lands within ~2e-15 of the exact value; 1e-12 leaves a
+#: factor of ~500 for that, and no mistake in a formula's counts or factors comes that close. A
+#: key that is exactly 0 (no bubble with pp = 1, no tp traffic with tp = 1) is 0 in floats too;
+#: 1e-15 of the total is allowed there, to be safe.
+TIME_RTOL = 1e-12
+
+
+def _shared_cases(student, key, make, probe, args):
+    """``(seed, cases, reply)`` of one probe call on ``args(cases)`` shared by a function's
+    checks."""
+    def run():
+        g, seed = fresh_generator()
+        cases = make(g)
+        return seed, cases, student.call(probe, *args(cases))
+    return student.shared(key, run)
+
+
+def _show(model, par, hw=None) -> str:
+    return f"model_cfg={model}, par_cfg={par}" + (f", hw_cfg={hw}" if hw else "")
+
+
+def _result(reply, what, inputs) -> dict:
+    """The result's description, or a failure that says what it raised (inputs last)."""
+    assert isinstance(reply, dict), "the reply was tampered with"
+    if "error" in reply:
+        raise AssertionError(f"{what} raised {reply['error']} (for {inputs})")
+    return reply["result"]
+
+
+def _keys(desc, what, keys, inputs) -> dict:
+    assert desc.get("t") == "dict", \
+        f"{what} should return a dict; got {desc.get('t')} (for {inputs})"
+    got = desc["v"]
+    assert list(desc.get("keys", [])) == ["str"] * len(got) and set(got) == set(keys), (
+        f"{what} returned a dict with the keys {sorted(got)}; expected exactly {list(keys)}")
+    return got
+
+
+# ---------------------------------------------------------------------------- per_rank_memory
+
+def _judge_memory(student):
+    seed, cases, (results, errors) = _shared_cases(
+        student, "memory", E.memory_cases, probe_cost,
+        lambda cases: ("per_rank_memory", cases, [(m, p) for m, p, _ in E.BAD_CASES]))
+    assert len(results) == len(cases), "the reply was tampered with"
+    for (model, par), reply in zip(cases, results):
+        inputs = _show(model, par)
+        got = _keys(_result(reply, "per_rank_memory", inputs), "per_rank_memory", E.MEMORY_KEYS,
+                    inputs)
+        want = E.per_rank_memory(model, par)
+        for key in E.MEMORY_KEYS:
+            items = got[key]
+            assert items.get("t") in ("list", "tuple") and len(items["v"]) == par["pp"], (
+                f"per_rank_memory(...)['{key}'] should be a list of pp = {par['pp']} ints (one "
+                f"per stage), for {inputs}")
+            values = [v.get("v") if v.get("t") == "int" else v.get("t") for v in items["v"]]
+            assert values == want[key], (
+                f"per_rank_memory(...)['{key}'] is {values}; expected {want[key]} (bytes per "
+                f"rank of each stage, exact ints) for {inputs} (seed {seed})")
+    return errors
+
+
+@graded
+def test_per_rank_memory_exact_bytes_of_every_stage(student):
+    _judge_memory(student)
+
+
+def _judge_errors(name, errors, hw=None):
+    assert len(errors) == len(E.BAD_CASES), "the reply was tampered with"
+    for (model, par, rule), error in zip(E.BAD_CASES, errors):
+        assert error == "ValueError", (
+            f"{name} with {rule} should raise ValueError; got {error} (for "
+            f"{_show(model, par, hw)})")
+
+
+@graded
+def test_per_rank_memory_value_errors(student):
+    _judge_errors("per_rank_memory", _judge_memory(student))  # given only with right values
+
+
+# ---------------------------------------------------------------------------- step_time
+
+def _judge_time(student):
+    seed, cases, (results, errors) = _shared_cases(
+        student, "time", E.time_cases, probe_cost,
+        lambda cases: ("step_time", cases, [(m, p, E.H100) for m, p, _ in E.BAD_CASES]))
+    assert len(results) == len(cases), "the reply was tampered with"
+    for (model, par, hw), reply in zip(cases, results):
+        inputs = _show(model, par, hw)
+        got = _keys(_result(reply, "step_time", inputs), "step_time", E.TIME_KEYS, inputs)
+        want = E.step_time(model, par, hw)
+        total = float(want["total"])
+        for key in E.TIME_KEYS:
+            v, w = got[key].get("v"), float(want[key])
+            assert got[key].get("t") in ("float", "int"), (
+                f"step_time(...)['{key}'] should be a float (seconds); got {got[key].get('t')}"
+                f" (for {inputs})")
+            assert math.isfinite(v) and abs(v - w) <= TIME_RTOL * (abs(w) + 1e-3 * total), (
+                f"step_time(...)['{key}'] is {v!r}; expected {w!r} (seconds) for {inputs} "
+                f"(seed {seed})")
+    return errors
+
+
+@graded
+def test_step_time_matches_the_cost_model(student):
+    _judge_time(student)
+
+
+@graded
+def test_step_time_value_errors(student):
+    _judge_errors("step_time", _judge_time(student), E.H100)  # given only with right values
+
+
+# ---------------------------------------------------------------------------- best_config
+
+@graded
+def test_best_config_hidden_cases(student):
+    cases = [(model, hw, world) for _, model, hw, world in E.BEST_CASES]
+    helpers = E.helper_cells(SPEC.function("best_config").helpers)
+    results = student.call(probe_best, cases, helpers)
+    assert isinstance(results, list) and len(results) == len(cases), "the reply was tampered with"
+    for (label, model, hw, world), reply in zip(E.BEST_CASES, results):
+        what = f"best_config for {label}"
+        inputs = f"model_cfg={model}, hw_cfg={hw}, world_size={world}"
+        want = E.best_config(model, hw, world)
+        if want is None:
+            assert reply.get("error", "").startswith("ValueError"), (
+                f"{what}: no configuration fits, so it should raise ValueError; got "
+                f"{reply.get('error') or 'a result'} (for {inputs})")
+            continue
+        got = _keys(_result(reply, what, inputs), what, E.PAR_KEYS, inputs)
+        types = {k: ("bool" if k == "checkpoint" else "str" if k == "schedule" else "int")
+                 for k in E.PAR_KEYS}
+        values = {k: got[k].get("v") if got[k].get("t") == types[k] else got[k].get("t")
+                  for k in E.PAR_KEYS}
+        assert values == want, (
+            f"{what} is {values}; expected {want} (the fastest that fits; equal times to the "
+            "smallest max memory, then pp, tp, micro_batches, zero, checkpoint, schedule) "
+            f"(for {inputs})")
+
+
+# ---------------------------------------------------------------------------- train_3d
+
+def _train_run(student):
+    """``(seed, reply)`` of the one 8-process run, shared by train_3d's checks."""
+    def run():
+        _, seed = fresh_generator()
+        reply = student.call(probe_train, seed)
+        assert isinstance(reply, dict) and isinstance(reply.get("replies"), dict), \
+            "the probe's reply was tampered with"
+        return seed, reply
+    return student.shared("train_3d", run)
+
+
+def _where(run, r) -> str:
+    p, d, t = R.coordinates(run.dims, r)
+    return f"train_3d with {run.label}, rank {r} (stage p={p}, d={d}, t={t})"
+
+
+def _tol64(want: torch.Tensor) -> dict:
+    """Float64 rounding of a result of this size: a few thousand ulps of its largest entry (the
+    reference, summing over tp shards, micro-batches and dp in its own order, strays by ~16:
+    0.4% of this over 5 seeds; a wrong gradient moves a parameter by 1e-3 or more)."""
+    scale = want.abs().max().item() if want.numel() else 1.0
+    return dict(rtol=0, atol=4096 * EPS * max(1.0, scale))
+
+
+def _text(exc: AssertionError) -> str:
+    """An assertion's message without pytest's explanation of the comparison."""
+    return str(exc).split("\nassert ")[0]
+
+
+def _judge_run(seed, i, replies):
+    """Every rank of run ``i`` against one process (the losses first, then the states); its
+    communication named where it fails."""
+    run = R.RUNS[i]
+    want_losses, want_state = E.one_process_training(seed)
+    for part in (_judge_losses, _judge_state):
+        for r, reply in enumerate(replies):
+            try:
+                part(run, r, reply, want_losses if part is _judge_losses else want_state, seed)
+            except AssertionError as exc:
+                bad = R.violations(run.dims, r, reply["calls"])
+                raise AssertionError(_text(exc) + (f"\n(it made {bad[0]})" if bad else "")) \
+                    from None
+
+
+def _judge_losses(run, r, reply, want_losses, seed):
+    where, pp, dp = _where(run, r), run.dims[0], run.dims[1]
+    losses = reply["losses"]
+    if R.coordinates(run.dims, r)[0] != pp - 1:
+        assert losses.get("kind") == "plain" and losses.get("value") is None, (
+            f"{where}: losses should be None on every stage but the last (the loss is computed "
+            "on the last stage only)")
+        return
+    assert losses.get("kind") in ("list", "tuple") and len(losses["items"]) == R.STEPS, (
+        f"{where}: losses should be a list of {R.STEPS} Python floats")
+    values = [item.get("value") for item in losses["items"]]
+    assert all(type(v) is float for v in values), \
+        f"{where}: losses should be a list of {R.STEPS} Python floats; got {values}"
+    for step, (v, w) in enumerate(zip(values, want_losses)):
+        if math.isfinite(v) and abs(v - w) <= 4096 * EPS * max(1.0, abs(w)):
+            continue
+        hint = next((f" ({k} times the full batch's mean loss: {why}?)" for k, why in
+                     ((run.micro_batches, "is each micro-batch's loss scaled by "
+                       "1/micro_batches"), (dp, "is the loss averaged over dp"))
+                     if k > 1 and math.isclose(v, k * w, rel_tol=1e-9)), "")
+        raise AssertionError(f"{where}: the loss before update {step} is {v!r}; one process "
+                             f"on the full batch had {w!r}{hint} (seed {seed})")
+
+
+def _judge_state(run, r, reply, want_state, seed):
+    where, state = _where(run, r), reply["state"]
+    assert isinstance(state, dict) and "kind" not in state, \
+        f"{where}: state should be a dict of dense name -> full tensor"
+    names = R.owned(run.dims, r)
+    assert set(state) == set(names), (
+        f"{where}: state has the names {sorted(state)}; expected {names} (exactly the "
+        "parameters its stage owns, under their dense names)")
+    for name in names:
+        got, want = tensor(state[name], f"{where}: state['{name}']")["value"], want_state[name]
+        assert_close(got, want, f"{where}: state['{name}'] after {R.STEPS} steps (the full "
+                     "tensor, vs one process on the full batch)", seed=seed, **_tol64(want))
+
+
+def _judge_runs(student, runs):
+    seed, reply = _train_run(student)
+    failures = []
+    for i in runs:
+        if i not in reply["replies"]:
+            failures.append(reply["error"] or f"train_3d with {R.RUNS[i].label} did not finish")
+            continue
+        replies = reply["replies"][i]
+        assert isinstance(replies, list) and len(replies) == len(R.RUNS[i].ranks) and all(
+            isinstance(x, dict) for x in replies), "the ranks' reply was tampered with"
+        try:
+            _judge_run(seed, i, replies)
+        except AssertionError as exc:
+            failures.append(_text(exc))
+    assert not failures, "\n".join(dict.fromkeys(failures))
+    return reply["replies"]
+
+
+@graded
+def test_train_3d_pp2_dp2_tp2_on_8_ranks_matches_one_process(student):
+    _judge_runs(student, [0])
+
+
+@graded
+def test_train_3d_three_meshes_of_4_ranks_match_one_process(student):
+    _judge_runs(student, range(1, len(R.RUNS)))
+
+
+@graded
+def test_train_3d_each_mode_on_its_own_group(student):
+    replies = _judge_runs(student, range(len(R.RUNS)))  # counted for right results only
+    for i, run in enumerate(R.RUNS):
+        pp, dp, tp = run.dims
+        for r, reply in enumerate(replies[i]):
+            where, calls = _where(run, r), reply["calls"]
+            bad = R.violations(run.dims, r, calls)
+            assert not bad, f"{where} made {bad[0]}" + (
+                f", and {len(bad) - 1} more call(s) where it should not" if bad[1:] else "")
+            groups = R.groups_of(run.dims, r)
+            for mode, size in (("tp", tp), ("dp", dp)):
+                n = sum(op in R.COLLECTIVES and set(ranks) == set(groups[mode])
+                        for ranks, op, _, _, _ in calls)
+                assert size == 1 or n >= R.STEPS, (
+                    f"{where}: {n} collective(s) on its {mode} group (ranks "
+                    f"{list(groups[mode])}) in {R.STEPS} steps; {mode} = {size} should use it "
+                    "at least once a step")
+            n = sum(op in ("SEND", "RECV") for _, op, _, _, _ in calls)
+            assert pp == 1 or n >= R.STEPS, (
+                f"{where}: {n} send(s)/recv(s) with its neighbouring stages in {R.STEPS} steps; "
+                f"pp = {pp} should pass activations and their gradients between stages")
