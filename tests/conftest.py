@@ -100,6 +100,19 @@ def plant_bugs(nb, bugs: dict[str, tuple[str, str]]):
     return nb
 
 
+def planted_copy(source: Path, tmp_path: Path, name: str, *bugs: dict) -> Path:
+    """``source`` with every dict of ``bugs`` planted (:func:`plant_bugs`), written to
+    ``tmp_path / <name>.ipynb``: the notebook a planted-bug test grades."""
+    import nbformat
+
+    nb = nbformat.read(source, as_version=4)
+    for planted in bugs:
+        plant_bugs(nb, planted)
+    path = tmp_path / f"{name.replace(' ', '_')}.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
 def paste_reference_answers(nb, source: Path) -> int:
     """In place: the reference's code answers (markers removed) into ``nb``'s answer cells, as a
     student who copied them would; returns how many cells were pasted."""
@@ -129,6 +142,19 @@ def assert_full_marks(report: dict) -> None:
     assert all(r["message"] for r in skipped), "a skipped check must say why"
     assert points_by_function(report).keys() == functions_of(report["assignment"]).keys()
     assert "Total:" in report["stdout"] and "Hardware:" in report["stdout"]
+
+
+def assert_grades_full_marks_within(source: Path, seconds: float, env: dict) -> dict:
+    """Grade ``source`` (``--speed skip``): full marks, in under ``seconds``; the report."""
+    import time
+
+    start = time.monotonic()
+    report = grade(source, "--speed", "skip", env=env)
+    took = time.monotonic() - start
+    assert_full_marks(report)
+    print(report["stdout"])
+    assert took < seconds, f"grading took {took:.1f} s"
+    return report
 
 
 def assert_stubs_score_zero(report: dict) -> None:
