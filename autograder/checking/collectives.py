@@ -98,7 +98,7 @@ def traffic_on_groups(groups: dict, *, new_groups: bool = False, outputs: bool =
     misses what grows with the group (an all-gather outputs n times its input); an in-place
     collective (all_reduce, broadcast, reduce: the hook sees no output tensors) outputs its
     input."""
-    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.device_mesh  # noqa: F401  (loaded first: its names are watched too)
     import torch.distributed.distributed_c10d as c10d
 
     traffic: dict = {}
@@ -125,29 +125,48 @@ def traffic_on_groups(groups: dict, *, new_groups: bool = False, outputs: bool =
 
     for key, group in groups.items():
         watch(key, group)
-    patched = []
-    if new_groups:
-        def watching(original):
-            @functools.wraps(original)
-            def wrapper(*args, **kwargs):
-                group = original(*args, **kwargs)
-                if isinstance(group, dist.ProcessGroup):
-                    watch(tuple(dist.get_process_group_ranks(group)), group)
-                return group
-            return wrapper
-        for space in (dist, c10d, device_mesh):
-            for name in ("new_group", "split_group"):
-                if callable(getattr(space, name, None)):
-                    patched.append((space, name, getattr(space, name)))
-        for space, name, old in patched:
-            setattr(space, name, watching(old))
+    created = (_groups_created_inside(
+        lambda group: watch(tuple(dist.get_process_group_ranks(group)), group))
+        if new_groups else contextlib.nullcontext())
     try:
-        yield traffic
+        with created:
+            yield traffic
+    finally:
+        for group, hook_id in hooked:
+            group.unregister_pre_hook(hook_id)
+
+
+@contextlib.contextmanager
+def _groups_created_inside(watch):
+    """While inside, ``watch(group)`` is called on every process group created by
+    ``new_group``, ``split_group`` or a device mesh (which calls the names it imported, and
+    ``new_group`` through ``_new_group_with_tag``): the same group may be seen twice."""
+    import sys
+
+    import torch.distributed.distributed_c10d as c10d
+
+    def watching(original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            group = original(*args, **kwargs)
+            if isinstance(group, dist.ProcessGroup):
+                watch(group)
+            return group
+        return wrapper
+
+    patched = []
+    spaces = [dist, c10d, sys.modules.get("torch.distributed.device_mesh")]
+    for space in filter(None, spaces):
+        for name in ("new_group", "split_group", "_new_group_with_tag"):
+            if callable(getattr(space, name, None)):
+                patched.append((space, name, getattr(space, name)))
+    for space, name, old in patched:
+        setattr(space, name, watching(old))
+    try:
+        yield
     finally:
         for space, name, old in reversed(patched):
             setattr(space, name, old)
-        for group, hook_id in hooked:
-            group.unregister_pre_hook(hook_id)
 
 
 _EVERY_GROUP_HOOK_ID = _HOOK_ID + 500
@@ -165,8 +184,6 @@ def calls_on_every_group(*, by_group: bool = False, log: list | None = None):
     and RECV, the other rank (None for the others, or a receive from any source): A8 judges
     which group each call went to. ``log``: the list to note into (a new one if None; A8's
     ranks pass one that also reports a call to a wrong group as it happens)."""
-    import sys
-
     import torch.distributed.distributed_c10d as c10d
 
     log = [] if log is None else log
@@ -192,29 +209,9 @@ def calls_on_every_group(*, by_group: bool = False, log: list | None = None):
 
     for group in list(c10d._world.pg_map):
         watch(group)
-    patched = []
-
-    def watching(original):
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            group = original(*args, **kwargs)
-            if isinstance(group, dist.ProcessGroup):
-                watch(group)
-            return group
-        return wrapper
-
-    # a device mesh calls the names it imported; new_group goes through _new_group_with_tag
-    spaces = [dist, c10d, sys.modules.get("torch.distributed.device_mesh")]
-    for space in filter(None, spaces):
-        for name in ("new_group", "split_group", "_new_group_with_tag"):
-            if callable(getattr(space, name, None)):
-                patched.append((space, name, getattr(space, name)))
-    for space, name, old in patched:
-        setattr(space, name, watching(old))
     try:
-        yield log
+        with _groups_created_inside(watch):
+            yield log
     finally:
-        for space, name, old in reversed(patched):
-            setattr(space, name, old)
         for group in hooked:
             group.unregister_pre_hook(_EVERY_GROUP_HOOK_ID)
