@@ -8,7 +8,9 @@ different functions are planted together: one grading run holds a bug in each of
 functions (train_3d's: the mesh's dimensions in the wrong order). train_3d's other bugs (the
 gradients averaged over the world, losses returned on every stage, micro-batch losses not
 scaled) are one grading each, ``--only train_3d`` (about 5 s each: the 8 processes start from
-the fork server in milliseconds).
+the fork server in milliseconds). A pipeline that deadlocks (a gradient never sent back) costs
+one launch timeout (60 s: gloo's receives wait for ever), fails train_3d's three checks together,
+keeps the cost model's points and leaves no process behind.
 
 Tier: both: reference full marks, stub zero and the grader's parts are quick (one grading
 each, or none); planted bugs are full.
@@ -17,8 +19,11 @@ from __future__ import annotations
 
 import ast
 import inspect
+import time
+import uuid
 from fractions import Fraction
 
+import psutil
 import pytest
 
 from conftest import (REPO, assert_grades_full_marks_within, assert_only_these_lose_points,
@@ -109,6 +114,42 @@ def test_train_3d_bugs_lose_its_points_and_are_named(bug, offline_env, tmp_path)
     assert points_by_function(report) == {"train_3d": 0}, report["stdout"]
     assert all(r["status"] == "failed" and named in r["message"] for r in report["results"]), \
         report["results"]
+
+
+#: stage 1 never sends the gradient of its input back: stage 0 waits in recv for ever
+DEADLOCK = {"train_3d": ("dist.send(x.grad.contiguous(), group=pp_group, group_dst=p - 1)",
+                         "pass  # the gradient never goes back")}
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_a_pipeline_deadlock_fails_train_3d_at_once_and_the_rest_is_graded(offline_env,
+                                                                            tmp_path):
+    """gloo's recv waits without a timeout: the launch's own timeout stops the 8 ranks, all of
+    train_3d's checks fail with it (one wait, not three), the cost model keeps its 9 points, and
+    no process is left behind."""
+    tag = uuid.uuid4().hex
+    start = time.monotonic()
+    report = grade(write(tmp_path, "deadlock", DEADLOCK), "--speed", "skip",
+                   env={**offline_env, "AUTOGRADER_RUN_TAG": tag}, timeout=300)
+    seconds = time.monotonic() - start
+    print(report["stdout"])
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    assert points_by_function(report) == {"per_rank_memory": 3, "step_time": 3,
+                                          "best_config": 3, "train_3d": 0}, report["stdout"]
+    failed = [r for r in report["results"] if r["function"] == "train_3d"]
+    assert len(failed) == 3 and all(r["status"] == "failed" and r["message"] for r in failed)
+    assert seconds < 150, f"grading took {seconds:.0f} s"
+    time.sleep(0.5)
+    left = [p.pid for p in psutil.process_iter() if _tagged(p, tag)]
+    assert not left, f"processes left behind: {left}"
+
+
+def _tagged(process, tag: str) -> bool:
+    try:
+        return process.environ().get("AUTOGRADER_RUN_TAG") == tag
+    except (psutil.Error, OSError):  # gone, or not ours to read
+        return False
 
 
 # ---------------------------------------------------------------------------- the grader's parts
