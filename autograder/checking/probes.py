@@ -64,3 +64,16 @@ def describe(value):
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"kind": "plain", "value": value}
     return {"kind": "other", "type": f"{type(value).__module__}.{type(value).__qualname__}"}
+
+
+def error_of(call) -> str:
+    """``"ValueError"`` if ``call()`` raised one (or a subclass), else what it did instead (the
+    other exception, or that it returned): the checks compare with ``"ValueError"`` and show the
+    rest."""
+    try:
+        call()
+    except ValueError:
+        return "ValueError"
+    except Exception as exc:  # noqa: BLE001 - reported to the grader
+        return (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)[:300]
+    return "nothing (it returned)"

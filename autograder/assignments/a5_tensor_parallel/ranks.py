@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autograder.checking.collectives import traffic_on_groups
-from autograder.checking.probes import describe
+from autograder.checking.probes import describe, error_of
 
 F64 = torch.float64
 #: Layer sizes: divisible by 1, 2 and 4 ranks where they are split.
@@ -80,16 +80,6 @@ def _params(module) -> dict:
     return {name: describe(p.detach()) for name, p in module.named_parameters()}
 
 
-def _raises_value_error(make) -> str:
-    try:
-        make()
-    except ValueError:
-        return "ValueError"
-    except Exception as exc:  # noqa: BLE001 - reported to the grader
-        return type(exc).__name__
-    return "nothing"
-
-
 # ---------------------------------------------------------------------------- the two layers
 
 def _run_layer(layer, x, upstream) -> dict:
@@ -135,7 +125,7 @@ def _shapes_and_errors(make, make_indivisible, n: int) -> dict:
     layer whose split dimension ``n`` does not divide raises (asked only when n > 1)."""
     return {"shapes": {bias: {k: tuple(p.shape) for k, p in make(bias).named_parameters()}
                        for bias in (True, False)},
-            "indivisible": _raises_value_error(make_indivisible) if n > 1 else "not asked"}
+            "indivisible": error_of(make_indivisible) if n > 1 else "not asked"}
 
 
 def rank_column(rank, world_size, cls, seed):
@@ -288,7 +278,7 @@ def rank_train_2d(rank, world_size, fn, seed, meshes):
         with traffic_on_groups({tuple(range(world_size)): None}, new_groups=True) as traffic:
             result = fn(model_fn, train_data(seed + 1), dp=dp, tp=tp, steps=TRAIN_STEPS,
                         lr=TRAIN_LR)
-        odd = _raises_value_error(lambda: fn(model_fn, train_data(seed + 1, 7), dp=dp, tp=tp,
+        odd = error_of(lambda: fn(model_fn, train_data(seed + 1, 7), dp=dp, tp=tp,
                                              steps=1, lr=TRAIN_LR)) if dp > 1 else "not asked"
         losses, state = result if isinstance(result, (tuple, list)) and len(result) == 2 \
             else (None, None)

@@ -16,7 +16,7 @@ import types
 
 import torch.distributed as dist
 
-from autograder.checking.probes import reference_helpers, student_function
+from autograder.checking.probes import error_of, reference_helpers, student_function
 from autograder.checking.ranks import run_ranks
 
 from . import ranks
@@ -44,17 +44,6 @@ def plain(value):
     if value is None:
         return {"t": "None", "v": None}
     return {"t": f"{type(value).__module__}.{type(value).__qualname__}"}
-
-
-def error_of(call) -> str:
-    """``"ValueError"`` if ``call()`` raised one (or a subclass), else what it did."""
-    try:
-        call()
-    except ValueError:
-        return "ValueError"
-    except Exception as exc:  # noqa: BLE001 - reported to the grader
-        return (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)[:300]
-    return "nothing (it returned)"
 
 
 def _calls(fn, cases) -> list:
