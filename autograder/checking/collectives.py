@@ -22,8 +22,8 @@ COLLECTIVES = ["all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all
                "scatter_object_list", "broadcast_object_list", "barrier", "monitored_barrier",
                "_broadcast_coalesced"]
 #: What the process group's pre-hook counts (its other names are point-to-point or bookkeeping).
-_HOOKED_COLLECTIVES = {"BROADCAST", "ALLREDUCE", "REDUCE", "ALLGATHER", "REDUCE_SCATTER",
-                       "ALLTOALL", "BARRIER", "SCATTER", "GATHER"}
+HOOKED_COLLECTIVES = {"BROADCAST", "ALLREDUCE", "REDUCE", "ALLGATHER", "REDUCE_SCATTER",
+                      "ALLTOALL", "BARRIER", "SCATTER", "GATHER"}
 _HOOK_ID = 424242
 
 
@@ -66,7 +66,7 @@ def collectives_counted(fn):
     if hasattr(group, "register_pre_hook"):
         def hook(args):
             op = getattr(args.name, "name", str(args.name))
-            if op in _HOOKED_COLLECTIVES:
+            if op in HOOKED_COLLECTIVES:
                 counts[f"process group {op}"] = counts.get(f"process group {op}", 0) + 1
         try:
             group.register_pre_hook(_HOOK_ID, hook)
@@ -112,7 +112,7 @@ def traffic_on_groups(groups: dict, *, new_groups: bool = False, outputs: bool =
 
         def hook(args, key=key):
             op = getattr(args.name, "name", str(args.name))
-            if op in _HOOKED_COLLECTIVES:
+            if op in HOOKED_COLLECTIVES:
                 elements = sum(t.numel() for t in args.input_tensors)
                 out = (sum(t.numel() for t in args.output_tensors) if args.output_tensors
                        else elements)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from autograder.checking.collectives import calls_on_every_group
+from autograder.checking.collectives import HOOKED_COLLECTIVES, calls_on_every_group
 from autograder.checking.probes import describe
 
 F64 = torch.float64
@@ -173,10 +173,6 @@ def owned(dims: tuple, r: int) -> list[str]:
     return [n for n in names if n.startswith(mine)]
 
 
-#: Communication ops the hook sees (the others are point-to-point or bookkeeping, like SPLIT).
-COLLECTIVES = {"BROADCAST", "ALLREDUCE", "REDUCE", "ALLGATHER", "REDUCE_SCATTER", "ALLTOALL",
-               "BARRIER", "SCATTER", "GATHER"}
-
 
 def violations(dims: tuple, r: int, calls) -> list[str]:
     """What rank ``r`` of a (pp, dp, tp) mesh sent where it should not: a collective on any
@@ -192,7 +188,7 @@ def violations(dims: tuple, r: int, calls) -> list[str]:
             who = "any source" if peer is None else f"rank {peer}"
             bad.append(f"a {op} with {who} (the ranks of its neighbouring stages, same d and t: "
                        f"{sorted(peers)})")
-        elif op in COLLECTIVES and frozenset(ranks) not in allowed:
+        elif op in HOOKED_COLLECTIVES and frozenset(ranks) not in allowed:
             name = "the world group" if len(ranks) == pp * dp * tp else "the group"
             article = "an" if op[0] == "A" else "a"
             bad.append(f"{article} {op} on {name} of ranks {list(ranks)} (its tp group is "
