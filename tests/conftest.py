@@ -62,14 +62,15 @@ def offline_env(tiny_data) -> dict:
 
 def grade(notebook: Path, *extra: str, env: dict | None = None, timeout: float = 300) -> dict:
     """Grade ``notebook`` with the CLI in a fresh process; return the full JSON report."""
-    out = Path(tempfile.mkdtemp(prefix="report-")) / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "autograder", "grade", str(notebook),
-                           "--report", str(out), *extra],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    if not out.exists():
-        return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
-                "results": [], "score": 0}
-    report = json.loads(out.read_text())
+    with tempfile.TemporaryDirectory(prefix="report-") as tmp:  # removed: a run grades hundreds
+        out = Path(tmp) / "report.json"
+        proc = subprocess.run([sys.executable, "-m", "autograder", "grade", str(notebook),
+                               "--report", str(out), *extra],
+                              capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        if not out.exists():
+            return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
+                    "results": [], "score": 0}
+        report = json.loads(out.read_text())
     report.update(returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr)
     return report
 

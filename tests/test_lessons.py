@@ -15,33 +15,44 @@ from nbclient import NotebookClient
 
 REPO = Path(__file__).resolve().parents[1]
 LESSONS = sorted((REPO / "course" / "lessons").glob("*.ipynb"))
+#: What Python and torch leave in the temporary folder by themselves, not the lesson's doing:
+#: multiprocessing's folder (removed at a clean exit, which a kernel's shutdown may not give it),
+#: torchrun's log folder and torch.compile's cache (kept on purpose).
+TORCH_LEFTOVERS = ("pymp-", "torchelastic_", "torchinductor_")
 
 
-def _run_quick(path: Path, offline_env: dict, monkeypatch) -> str:
-    """Run the lesson top to bottom in quick mode; fail on any error; return its printed text."""
+def _run_quick(path: Path, offline_env: dict, monkeypatch, tmp_path: Path) -> str:
+    """Run the lesson top to bottom in quick mode; fail on any error, or on files it left in the
+    temporary folder (a student runs a lesson many times); return its printed text."""
     for key in ("COURSE_DATA", "COURSE_OFFLINE", "COURSE_FULL", "MPLBACKEND", "PATH"):
         monkeypatch.setenv(key, offline_env[key])
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))  # the kernel's, and so its processes' tempfile
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
+    left = sorted(p.name for p in scratch.iterdir() if not p.name.startswith(TORCH_LEFTOVERS))
+    assert not left, f"the lesson left these in the temporary folder: {left}"
     return "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", LESSONS, ids=[p.stem for p in LESSONS])
-def test_lesson_runs_in_quick_mode(path, offline_env, monkeypatch):
-    _run_quick(path, offline_env, monkeypatch)
+def test_lesson_runs_in_quick_mode(path, offline_env, monkeypatch, tmp_path):
+    _run_quick(path, offline_env, monkeypatch, tmp_path)
 
 
 @pytest.mark.slow
-def test_lesson_10_runs_where_cpu_bf16_does_not(offline_env, monkeypatch):
+def test_lesson_10_runs_where_cpu_bf16_does_not(offline_env, monkeypatch, tmp_path):
     """Lesson 10's fp16 path, the one it takes on a CPU whose bf16 products crash, forced with
     COURSE_DISABLE_CPU_BF16=1 on the CPU (no GPU visible: with CUDA the lesson uses bf16)."""
     monkeypatch.setenv("COURSE_DISABLE_CPU_BF16", "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    text = _run_quick(REPO / "course" / "lessons" / "10_memory.ipynb", offline_env, monkeypatch)
+    text = _run_quick(REPO / "course" / "lessons" / "10_memory.ipynb", offline_env, monkeypatch,
+                      tmp_path)
     assert "the 16-bit cells below use fp16 instead" in text
     assert "autocast torch.float16" in text and "autocast torch.bfloat16" not in text
 
