@@ -112,6 +112,8 @@ def test_exits_inside_functions_lose_only_those_functions(tmp_path, offline_env)
     assert_grade(report, allreduce=0, split_batch=0)
     assert "exit(0)" in messages(report, "allreduce")
     assert "exited with code 3" in messages(report, "split_batch")
+    # the code printed nothing, so the message shows no output: none of the grader's own
+    assert "last output" not in messages(report, "split_batch"), messages(report, "split_batch")
 
 
 def test_infinite_loop_times_out_and_the_rest_is_graded(tmp_path, offline_env):
