@@ -7,14 +7,13 @@ fails when it is out of date).
 c = get_config()  # noqa: F821 - provided by nbgrader
 
 c.CourseDirectory.course_id = "scale-pytorch"
-c.CourseDirectory.root = "."
+# the folder of this file, absolute (nbgrader warns on every command about a relative root)
+c.CourseDirectory.root = __import__("os").path.dirname(__import__("os").path.abspath(__file__))
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "assignments"
-c.CourseDirectory.db_assignments = [{"name": "a1_data_parallel"}]
-c.CourseDirectory.db_assignments += [{"name": "a2_ddp"}]
-c.CourseDirectory.db_assignments += [{"name": "a3_model_pipeline"}]
-c.CourseDirectory.db_assignments += [{"name": "a4_sharding"}]
-c.CourseDirectory.db_assignments += [{"name": "a5_tensor_parallel"}]
+# No list of assignments: generate_assignment adds each one to the gradebook the first time
+# (nbgrader's GenerateAssignment.create_assignment, on by default); nbgrader 0.9 has no
+# CourseDirectory.db_assignments.
 
 # Students see "raise NotImplementedError()" in their answer cells.
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}

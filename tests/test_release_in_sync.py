@@ -31,6 +31,8 @@ def test_release_matches_source(assignment, tmp_path):
     proc = subprocess.run([str(nbgrader), "generate_assignment", assignment, "--force", "--no-db"],
                           cwd=course, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # the configuration draws no warning (one on every command teaches instructors to skip them)
+    assert "WARNING" not in proc.stderr, proc.stderr[-2000:]
     for generated in sorted((course / "assignments" / assignment).glob("*.ipynb")):
         committed = REPO / "assignments" / assignment / generated.name
         assert committed.exists(), f"{committed} is missing: run make release"
