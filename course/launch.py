@@ -86,18 +86,38 @@ def device_for(rank: int) -> "torch.device":
 
 
 def start_method() -> str:
-    """How ranks start: ``"forkserver"`` (the default on Linux) or ``"exec"`` (elsewhere, or
-    when ``COURSE_LAUNCH_START=exec``). Not macOS: its system libraries are not fork-safe.
-    Not from a script run as ``python script.py`` either: multiprocessing would run the
-    script's top level again in every rank (unless it is guarded by ``if __name__ ==
-    "__main__":``). Notebooks, ``python -m ...`` and ``python -c ...`` are fine."""
+    """How ranks start: ``"forkserver"`` (the default on Linux) or ``"exec"`` (elsewhere, when
+    ``COURSE_LAUNCH_START=exec``, or below a ``TMPDIR`` too long for the fork server's socket).
+    Not macOS: its system libraries are not fork-safe. Not from a script run as ``python
+    script.py`` either: multiprocessing would run the script's top level again in every rank
+    (unless it is guarded by ``if __name__ == "__main__":``). Notebooks, ``python -m ...`` and
+    ``python -c ...`` are fine."""
     main = sys.modules.get("__main__")
     script = getattr(main, "__file__", None) is not None and getattr(main, "__spec__", None) is None
     default = "forkserver" if sys.platform.startswith("linux") and not script else "exec"
     if os.environ.get("COURSE_LAUNCH_START", default) == "forkserver" \
-            and "forkserver" in multiprocessing.get_all_start_methods():
+            and "forkserver" in multiprocessing.get_all_start_methods() \
+            and fork_server_socket_fits():
         return "forkserver"
     return "exec"
+
+
+#: The longest path of a Unix socket (Linux: ``sun_path`` is 108 bytes with its NUL).
+UNIX_SOCKET_PATH_MAX = 107
+#: What multiprocessing adds below the temporary folder for the fork server's socket:
+#: ``get_temp_dir()``'s ``pymp-XXXXXXXX`` and ``arbitrary_address("AF_UNIX")``'s
+#: ``listener-XXXXXXXX`` (Python 3.11's multiprocessing.util and multiprocessing.connection).
+FORK_SERVER_SOCKET_TAIL = "/pymp-XXXXXXXX/listener-XXXXXXXX"
+
+
+def fork_server_socket_fits() -> bool:
+    """Whether the fork server's Unix socket fits below this process's temporary folder. Below
+    a long ``TMPDIR`` (a cluster's scratch folder; a grading job's sandbox inside it) it would
+    not, the fork server could not start and no rank would: ranks then start by exec."""
+    import tempfile
+
+    path = os.fsencode(tempfile.gettempdir() + FORK_SERVER_SOCKET_TAIL)
+    return len(path) <= UNIX_SOCKET_PATH_MAX
 
 
 #: What the fork server imports before it forks its first rank.

@@ -80,6 +80,20 @@ def test_reference_solution_scores_full_marks(offline_env):
     assert_grades_full_marks_within(SOURCE, GRADING_SECONDS, offline_env)
 
 
+@pytest.mark.full
+@pytest.mark.slow
+def test_a_long_tmpdir_changes_no_grade(offline_env, tmp_path):
+    """Below a long TMPDIR (a cluster's scratch folder, and folder grading's job folders inside
+    it) the fork server's Unix socket would pass the kernel's 107-byte limit: the sandbox's
+    worker died loading the notebook and every rank-based check scored 0 (train_3d's 8 points
+    here). Its ranks now start by exec there (course.launch.start_method)."""
+    deep = tmp_path / ("t" * 70)
+    deep.mkdir()
+    report = grade(SOURCE, "--speed", "skip", env={**offline_env, "TMPDIR": str(deep)})
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    assert report["score"] == report["max_score"] == 17, report["stdout"]
+
+
 @pytest.mark.slow
 def test_released_stubs_score_zero_with_readable_messages(offline_env):
     report = grade(RELEASE, "--speed", "skip", env=offline_env)

@@ -180,6 +180,24 @@ def test_launch_without_the_fork_server(monkeypatch, capfd):
         launch(_fail_on_rank_one, 2, collective_timeout=10, quiet=True)
 
 
+@pytest.mark.slow
+def test_a_long_tmpdir_starts_ranks_by_exec(monkeypatch, tmp_path):
+    """The fork server listens on a Unix socket below TMPDIR, whose path has at most 107 bytes:
+    below a long TMPDIR ranks start by exec instead, and run."""
+    import tempfile
+
+    from course.launch import fork_server_socket_fits, start_method
+
+    assert fork_server_socket_fits()  # this machine's own TMPDIR is short
+    deep = tmp_path / ("t" * 80)
+    deep.mkdir()
+    monkeypatch.setenv("TMPDIR", str(deep))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile caches the folder it chose
+    monkeypatch.delenv("COURSE_LAUNCH_START", raising=False)
+    assert not fork_server_socket_fits() and start_method() == "exec"
+    assert launch(_sum_ranks, 2, 1.0) == [2.0, 2.0]
+
+
 def test_planning_reproduces_published_figures():
     """course.planning against the figures its sources print (lesson 16's memory and time model)."""
     from course import planning
