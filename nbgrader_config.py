@@ -4,12 +4,14 @@
 student notebook in assignments/a1_data_parallel/ (commit it: tests/test_release_in_sync.py
 fails when it is out of date).
 """
+import os
+
 c = get_config()  # noqa: F821 - provided by nbgrader
 
 c.CourseDirectory.course_id = "scale-pytorch"
 # "." (the folder nbgrader runs in, where it finds this file), made absolute: nbgrader warns
 # on every command about a relative root
-c.CourseDirectory.root = __import__("os").getcwd()
+c.CourseDirectory.root = os.getcwd()
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "assignments"
 # No list of assignments: generate_assignment adds each one to the gradebook the first time
