@@ -14,6 +14,10 @@ c.CourseDirectory.course_id = "scale-pytorch"
 c.CourseDirectory.root = os.getcwd()
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "assignments"
+# The answer keys (solutions/<assignment>/answer_key.py, autograder/keys.py) stay with the
+# instructor: generate_assignment copies every other file of a source folder into the release.
+c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback",
+                            "answer_key.py"]
 # No list of assignments: generate_assignment adds each one to the gradebook the first time
 # (nbgrader's GenerateAssignment.create_assignment, on by default); nbgrader 0.9 has no
 # CourseDirectory.db_assignments.

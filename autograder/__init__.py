@@ -35,6 +35,7 @@ def check(function: str, assignment: str | None = None, *, timeout: float = 600.
 
     from .checking.spec import functions_of
     from .invoke import run_grader
+    from .keys import is_reserved, reserved_points
     from .registry import ASSIGNMENTS
     from .results import FAILED, SKIPPED, result_lines
 
@@ -70,7 +71,12 @@ def check(function: str, assignment: str | None = None, *, timeout: float = 600.
         raise CheckFailed(f"no checks named {function!r} in {assignment}")
     for r in results:
         print("\n".join(result_lines(r)))
-    if any(r["status"] == SKIPPED for r in results):
+    reserved = reserved_points(results)
+    if reserved:
+        here = sum(r["max_points"] for r in results if r["status"] != SKIPPED)
+        print(f"{function}: {here:g} point(s) checked here; {reserved:g} more when your "
+              "instructor grades (hidden cases and the answer key)")
+    if any(r["status"] == SKIPPED and not is_reserved(r) for r in results):
         print("SKIP means this machine cannot measure it; no points were measured here, and "
               "the grade on the grading machine may differ.")
     failed = [r for r in results if r["status"] == FAILED]

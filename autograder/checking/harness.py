@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from ..keys import RESERVED, has_key
 from ..results import FAILED, PASSED, SKIPPED, SPEED_NOT_MEASURED, CheckResult, Report
 from ..sandbox import MAX_CALL_TIMEOUT, CallTimeout, Sandbox, SandboxError
 from . import timeouts
@@ -110,8 +111,10 @@ def skip_unless(condition: bool, reason: str) -> None:
 class _Collector:
     """pytest plugin: provides the ``student`` fixture and records each check's outcome."""
 
-    def __init__(self, student: Student, only: set[str] | None, measure_speed: bool = True):
+    def __init__(self, student: Student, only: set[str] | None, measure_speed: bool = True,
+                 key_present: bool = True):
         self._student = student
+        self.key_present = key_present
         self.only = only
         self.measure_speed = measure_speed
         self.results: list[CheckResult] = []
@@ -125,6 +128,8 @@ class _Collector:
     @pytest.fixture
     def _begin_check(self, request):
         check = self._checks[request.node.nodeid]
+        if check.hidden and not self.key_present:
+            pytest.skip(RESERVED)
         if check.speed and not self.measure_speed:
             pytest.skip(SPEED_NOT_MEASURED)
         self._student.begin(check)
@@ -202,7 +207,8 @@ def run_checks(assignment: str, cells: list[tuple[str, str]], *, objects: bytes 
     calibration = timeouts.calibrated(assignment)
     student = Student(sandbox, calibration)
     wanted = {f.strip() for f in only.split(",") if f.strip()} if only else None
-    collector = _Collector(student, wanted, measure_speed)
+    key_present = has_key(assignment)
+    collector = _Collector(student, wanted, measure_speed, key_present)
     args = [str(path), "-p", "no:cacheprovider", "-p", "no:terminal", "-p", "no:randomly",
             # only the plugin the checks use (their backstop timeouts); pytest's end-of-session
             # collections for unraisable exceptions (the checks run none of the submission's
@@ -225,5 +231,8 @@ def run_checks(assignment: str, cells: list[tuple[str, str]], *, objects: bytes 
                                              if calibration else "the spec's defaults"))
     if not measure_speed:
         report.notes.append("speed checks not run (--speed skip)")
+    if not key_present:
+        report.notes.append("no answer key here (the student edition): the public checks ran; "
+                            "hidden checks are reserved for your instructor's grading")
     report.notes.append(f"graded in {time.monotonic() - start:.1f} s")
     return report

@@ -38,6 +38,9 @@ class Check:
     timeout: float = DEFAULT_CALL_TIMEOUT  # seconds per call of a probe, uncalibrated
     calls: str = ""        # the student function it runs ("" = ``function``)
     speed: bool = False    # measures a speedup
+    #: needs the instructor's answer key (hidden cases, the reference implementation): SKIPPED
+    #: with :data:`autograder.keys.RESERVED` where the key is absent (the student edition)
+    hidden: bool = False
 
     @property
     def runs(self) -> str:
@@ -68,6 +71,10 @@ class Spec:
             if c.name == name:
                 return c
         raise KeyError(f"{self.assignment}: no check named {name!r} in its spec")
+
+    def public_points(self) -> float:
+        """Points of the checks that run without the answer key (the student edition's)."""
+        return sum(c.points for c in self.checks if not c.hidden)
 
     def points(self) -> dict[str, float]:
         """``{function: total points}`` in check order (speedups as ``f_speedup``)."""

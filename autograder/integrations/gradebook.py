@@ -29,6 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..keys import is_reserved
 from ..results import SKIPPED, SPEED_NOT_MEASURED, atomic_write
 
 GRADED = "graded"
@@ -46,7 +47,7 @@ def points_of(result: dict) -> float:
     """The points a check counts for in the class's grade."""
     if result.get("status") != SKIPPED:
         return float(result.get("points", 0))
-    if result.get("message") == SPEED_NOT_MEASURED or not awards_unjudged():
+    if result.get("message") == SPEED_NOT_MEASURED or is_reserved(result) or not awards_unjudged():
         return 0.0
     return float(result.get("max_points", 0))
 
@@ -64,7 +65,8 @@ def tally(results: list[dict]) -> Tally:
     needs = []
     for r in results:
         if r.get("status") == SKIPPED:
-            mark = NOT_MEASURED_MARK if r.get("message") == SPEED_NOT_MEASURED else ""
+            mark = (NOT_MEASURED_MARK if r.get("message") == SPEED_NOT_MEASURED else
+                    " (no answer key)" if is_reserved(r) else "")
             needs.append(f"{r.get('function', r.get('name', '?'))}{mark}")
     return Tally(sum(points_of(r) for r in results),
                  sum(float(r.get("max_points", 0)) for r in results),

@@ -24,6 +24,7 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_output
 
+from ..keys import is_reserved
 from ..results import FAILED, SKIPPED, SPEED_NOT_MEASURED, result_lines
 
 try:
@@ -80,8 +81,8 @@ def skipped_points(result: dict) -> float:
     why. ``AUTOGRADER_SKIPPED=zero`` gives none instead. A check skipped because the run was
     told not to time anything (``AUTOGRADER_SPEED=skip``) verified nothing: no points.
     """
-    if result.get("message") == SPEED_NOT_MEASURED:
-        return 0.0
+    if result.get("message") == SPEED_NOT_MEASURED or is_reserved(result):
+        return 0.0  # nothing was verified: not timed, or no answer key to check it with
     return 0.0 if os.environ.get("AUTOGRADER_SKIPPED", "award") == "zero" else result["max_points"]
 
 
