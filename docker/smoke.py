@@ -7,6 +7,9 @@ they are), on a temporary folder:
 
 - grade every assignment's released stub and reference solution: 0 points and full points;
 - the same with the reference mounted: the report must say "solutions hidden", same scores;
+  without it the hidden checks of every assignment with an answer key are reserved ("checked
+  when your instructor grades"), with it (the keys in solutions/) every one of them runs;
+- the image holds no answer key (no ``answer_key.py`` anywhere in it);
 - the student's lab on a work folder made from the student edition: healthy, the token is
   required, no solution is served, no instructor extension and no config warning in its log;
 
@@ -34,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 NAME = "course-lab"
 TOKEN = "smoke-test-token"
+KEY_FILE = "answer_key.py"  # autograder/keys.py (this script runs before make install)
 
 # The commands of docs/instructor.md, for a CPU-only host (run from the repository root, with
 # SUBMISSIONS, GRADES and COURSE_WORK_DIR set as the docs set them). On a GPU host the smoke test
@@ -156,6 +160,11 @@ def grade(command: str, grades: Path, env: dict, reference: bool) -> None:
                     f"is busy): {', '.join(line.split()[1] for line in timing)}")
                 score = top
         check(top > 0 and score == (top if full else 0), f"{student}: {score:g}/{top:g} (want {want})")
+        reserved = any("more when your instructor grades" in line for line in report)
+        if reference:
+            check(not reserved, f"{student}: with solutions/ mounted, every hidden check ran")
+        elif (REPO / "solutions" / assignment / KEY_FILE).exists():
+            check(reserved, f"{student}: without the key, its hidden checks are reserved")
         isolation = [line for line in report if line.startswith("Isolation:")]
         if reference:
             check(any("solutions hidden" in line for line in isolation),
@@ -243,6 +252,14 @@ def main(argv: list[str] | None = None) -> int:
             sh(f"make docker-build DOCKER_VARIANT={args.variant} "
                f"TORCH_CPU_INDEX={shlex.quote(args.torch_cpu_index)} "
                f"DOCKER_BUILD_FLAGS={shlex.quote(args.build_flags)}", timeout=3600)
+        image = f"scale-pytorch:{args.variant}"
+        # autograder/keys.py must be found (find ran), no answer key may be
+        found = sh(f"docker run --rm --network none --entrypoint find {image} / -xdev "
+                   f"\\( -name {KEY_FILE} -o -path '*/autograder/keys.py' \\) 2>/dev/null || true",
+                   quiet=True).split()
+        keys = [path for path in found if path.endswith(KEY_FILE)]
+        check(any(path.endswith("autograder/keys.py") for path in found) and not keys,
+              f"the image holds no answer key ({', '.join(keys) or 'none found'})")
         (tmp / "submissions").mkdir()
         for student, (notebook, _, _) in SUBMISSIONS.items():
             shutil.copy(REPO / notebook, tmp / "submissions" / f"{student}.ipynb")

@@ -5,7 +5,7 @@ It holds what students need and nothing that gives answers away:
 - in: the lessons and the toolkit (``course/``), the released assignments (``assignments/``),
   the self-check grader (``autograder/`` with its checks), ``README.md`` (with a note on what
   this edition lacks), ``Makefile``, ``pyproject.toml``, ``docker/`` and ``docs/``;
-- out: ``solutions/`` (the reference), ``nbgrader_config.py`` (it points at solutions/), ``tests/`` (they grade
+- out: ``solutions/`` (the reference and the answer keys, ``solutions/<a>/answer_key.py``), ``nbgrader_config.py`` (it points at solutions/), ``tests/`` (they grade
   the reference solutions), ``docs/instructor.md``, ``autograder/bench/a4_sharding.py`` (its own
   bucketed all-reduce and ZeRO byte accounting are Assignment 4's answers),
   ``autograder/bench/a6_context_parallel.py`` and ``autograder/bench/cp_attention.py`` (the
@@ -36,6 +36,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..keys import KEY_FILE
 from ..registry import REPO
 
 #: Top-level entries of the repository that go into the edition.
@@ -68,6 +69,11 @@ NOTE = """\
 >   skipped and the reason is shown.
 > - A function is graded with the reference versions of the helpers it calls, so one bug costs
 >   the points of one function; here your own helpers are used.
+> - **Hidden checks** (fresh random cases against the instructor's answer key, hidden cases)
+>   run only where the key is: when your instructor grades. Here they show as SKIP, "checked
+>   when your instructor grades", and the report says how many points were checked here and how
+>   many more your instructor's grading checks. The public checks you run here compare your code
+>   with independent computations, invariants, error cases and a few fixed cases.
 """
 
 
@@ -111,6 +117,18 @@ def solution_regions(repo: Path = REPO) -> list[str]:
             for m in re.finditer(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", cell.source, re.S):
                 if m.group(1).strip():
                     regions.append(m.group(1))
+    return regions
+
+
+def key_regions(repo: Path = REPO) -> list[str]:
+    """The code of every answer key (``solutions/<a>/answer_key.py``), without its imports,
+    comments and blank lines: what :func:`leaks` must not find in the edition (a key copied
+    into the grader, the toolkit or a lesson)."""
+    regions = []
+    for path in sorted((repo / "solutions").glob(f"*/{KEY_FILE}")):
+        lines = [line for line in path.read_text().splitlines()
+                 if line.strip() and not line.lstrip().startswith(("#", "import ", "from "))]
+        regions.append("\n".join(lines) + "\n")
     return regions
 
 
@@ -165,10 +183,14 @@ def build(out_dir: str | Path, repo: Path = REPO, force: bool = False,
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(repo / rel, target)
     add_note(out / "README.md")
-    found = leaks(out, solution_regions(repo))
+    keys = [rel for rel in files if rel.rsplit("/", 1)[-1] == KEY_FILE]
+    if keys:  # never reached while solutions/ is left out; a key moved elsewhere is caught here
+        shutil.rmtree(out)
+        raise EditionError("an answer key would ship, edition removed: " + ", ".join(keys))
+    found = leaks(out, solution_regions(repo) + key_regions(repo))
     if found:
         shutil.rmtree(out)
-        raise EditionError("reference solution text found, edition removed:\n" + "\n".join(
+        raise EditionError("reference solution or answer key text found, edition removed:\n" + "\n".join(
             f"  {f}: {first}" for f, first in found))
     return files
 

@@ -39,7 +39,7 @@ from course.launch import PRELOAD_ENV
 from ..registry import REPO
 from . import framing
 from .framing import decode_reply, read_frame, write_frame
-from .isolation import UNSHARE, become_subreaper, kill_tree, namespaces_available
+from .isolation import UNSHARE, become_subreaper, kill_tree, namespaces_available, sandbox_user
 
 OUTPUT_TAIL_BYTES = 4000          # how much of the child's output a message may quote
 MAX_OUTPUT_FILE_BYTES = 64 << 20  # the child's output file may not grow past this
@@ -146,11 +146,16 @@ class Sandbox:
             env["AUTOGRADER_HIDE"] = os.pathsep.join(
                 str(p) for p in [REPO / "solutions"] if p.exists())
             env["AUTOGRADER_WRITABLE"] = str(work)
+        as_user = {}
+        if (user := sandbox_user()) is not None:  # root grading: graded code runs as user
+            os.chmod(self._dir, 0o711)  # it may enter, not list nor change, the grader's folder
+            os.chown(work, user.pw_uid, user.pw_gid)
+            as_user = dict(user=user.pw_uid, group=user.pw_gid, extra_groups=[])
         with open(self._out_path, "wb") as out:
             self._proc = subprocess.Popen(
                 cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                 pass_fds=(req_r, rep_w), start_new_session=True,
-                preexec_fn=_child_limits)
+                preexec_fn=_child_limits, **as_user)
         os.close(req_r)
         os.close(rep_w)
         self._load_deadline = time.monotonic() + self.limits.load_timeout

@@ -34,9 +34,44 @@ UNSHARE = ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", 
             "--kill-child", "--mount-proc"]
 
 
+#: Run as root with this set to a user's name, the grader starts graded code as that user (its
+#: files unreadable there, e.g. ``solutions/`` made 0700 root: Gradescope's bundle does so).
+SANDBOX_USER_ENV = "AUTOGRADER_SANDBOX_USER"
+
+
+def sandbox_user():
+    """``pwd`` entry of the user graded code runs as, or None (the grader's own user). Only
+    root can start a child as another user; elsewhere the variable is ignored."""
+    import pwd
+
+    name = os.environ.get(SANDBOX_USER_ENV, "")
+    if not name or os.geteuid() != 0:
+        return None
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        raise RuntimeError(f"{SANDBOX_USER_ENV}={name}: no such user on this machine") from None
+
+
+def unreadable_to_sandbox(path) -> bool:
+    """True when graded code, running as :func:`sandbox_user`, cannot open ``path``: another
+    owner, and neither its group's nor others' read or search bits for that user."""
+    user = sandbox_user()
+    if user is None or not os.path.exists(path):
+        return False
+    st = os.stat(path)
+    if st.st_uid == user.pw_uid or st.st_mode & 0o005:
+        return False
+    return st.st_gid != user.pw_gid or not st.st_mode & 0o050
+
+
 def isolation_summary() -> str:
     if namespaces_available():
         return "child processes in their own user/mount/net/pid namespaces, solutions hidden"
+    user = sandbox_user()
+    if user is not None:
+        hidden = ", solutions unreadable to it" if unreadable_to_sandbox(REPO / "solutions") else ""
+        return f"child processes as user {user.pw_name}{hidden} (no user namespaces here)"
     return "child processes only (no user namespaces here: same user, network not cut)"
 
 
@@ -48,8 +83,10 @@ def reference_exposed() -> str | None:
     """Why grading must not start here, or None: with ``solutions/`` on disk and no namespaces
     to hide it, graded code could read the reference answers. The grader fails closed: the
     instructor grades on a host with user namespaces (in Docker: docker/compose.reference.yaml),
-    removes solutions/, or accepts the risk with AUTOGRADER_ALLOW_VISIBLE_REFERENCE=1."""
-    if not (REPO / "solutions").exists() or namespaces_available():
+    removes solutions/, runs graded code as a user who cannot read it (as root, with
+    AUTOGRADER_SANDBOX_USER), or accepts the risk with AUTOGRADER_ALLOW_VISIBLE_REFERENCE=1."""
+    solutions = REPO / "solutions"
+    if not solutions.exists() or namespaces_available() or unreadable_to_sandbox(solutions):
         return None
     if os.environ.get(ALLOW_VISIBLE_REFERENCE) == "1":
         return None
