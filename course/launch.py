@@ -41,7 +41,11 @@ from pathlib import Path
 
 
 class LaunchError(RuntimeError):
-    """A rank failed; the message holds the end of its output."""
+    """A rank failed; the message holds the end of its output. ``failures``: ``[(rank, exit
+    code, its last lines)]``, the likely cause first (a rank that only lost a peer comes after
+    the ranks that failed otherwise)."""
+
+    failures: list = []
 
 
 def free_port() -> int:
@@ -140,12 +144,26 @@ def _fork_server_context():
 
 
 def pickler_keeping_filenames():
-    """cloudpickle's Pickler class (a notebook's functions and classes by value), except that
-    code objects keep their file names. cloudpickle 3 writes every code object it pickles by
-    value with the file name "<dynamic-code>" (``_code_reduce`` in cloudpickle/cloudpickle.py,
-    for deterministic pickles), so a rank's traceback would not name the cell or file where
-    the failing line is. marshal keeps a code object whole, and every rank runs this same
-    interpreter."""
+    """cloudpickle's Pickler class (a notebook's functions and classes by value), with three
+    changes, each for code that runs in Jupyter and must run the same in every rank:
+
+    - code objects keep their file names. cloudpickle 3 writes every code object it pickles by
+      value with the file name "<dynamic-code>" (``_code_reduce`` in cloudpickle/cloudpickle.py,
+      for deterministic pickles), so a rank's traceback would not name the cell or file where
+      the failing line is. marshal keeps a code object whole, and every rank runs this same
+      interpreter.
+    - a module object that ``sys.modules`` holds under its name travels by reference, whatever
+      its class. cloudpickle's table of reducers is looked up by exact type, so a subclass of
+      ``types.ModuleType`` (``torch.ops`` is a ``torch._ops._Ops``; ``torch.distributed.config``
+      a ``ConfigModuleInstance``) fell through to plain pickling and failed: "cannot pickle
+      '_Ops' object" for any function that calls ``torch.ops.aten.index_select``.
+    - a ``functools.cache``/``lru_cache`` wrapper defined in a notebook (``__main__`` or any
+      module a rank cannot import it from) travels as the function it wraps, by value, and is
+      wrapped again in the rank (with the same ``maxsize`` and ``typed``, an empty cache). Its
+      own ``__reduce__`` names it by reference, and no rank could find it ("Can't get attribute
+      '_helper' on <module '__main__'>").
+    """
+    import functools
     import marshal
     import types
     from collections import ChainMap
@@ -157,7 +175,40 @@ def pickler_keeping_filenames():
             {types.CodeType: lambda code: (marshal.loads, (marshal.dumps(code),))},
             cloudpickle.Pickler.dispatch_table)
 
+        def reducer_override(self, obj):
+            if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType \
+                    and sys.modules.get(getattr(obj, "__name__", None)) is obj:
+                return _import_module, (obj.__name__,)
+            if isinstance(obj, functools._lru_cache_wrapper) and not _found_by_name(obj):
+                parameters = obj.cache_parameters()
+                return _cached, (obj.__wrapped__, parameters["maxsize"], parameters["typed"])
+            return super().reducer_override(obj)
+
     return Pickler
+
+
+def _import_module(name: str):
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def _cached(function, maxsize, typed):
+    import functools
+
+    return functools.lru_cache(maxsize=maxsize, typed=typed)(function)
+
+
+def _found_by_name(obj) -> bool:
+    """Whether another process finds ``obj`` by its module and qualified name (as pickle's by
+    reference does): never for ``__main__``, which is another program there."""
+    module = getattr(obj, "__module__", None)
+    if module in (None, "__main__") or module not in sys.modules:
+        return False
+    target = sys.modules[module]
+    for part in getattr(obj, "__qualname__", "").split("."):
+        target = getattr(target, part, None)
+    return target is obj
 
 
 def start_fork_server() -> bool:
@@ -312,9 +363,11 @@ def _launch(fn, world_size, args, backend, timeout, threads, collective_timeout,
         if failed is not None:
             # the cause first: ranks that only lost a peer mid-collective come after it
             failed.sort(key=lambda rc: (_lost_peer(tails[rc[0]]), ended.get(rc[0], float("inf"))))
-            raise LaunchError("\n".join(
+            error = LaunchError("\n".join(
                 f"rank {rank} exited with code {code}; its last lines:\n" + "".join(tails[rank][-15:])
                 for rank, code in failed))
+            error.failures = [(rank, code, "".join(tails[rank][-15:])) for rank, code in failed]
+            raise error
         return [cloudpickle.loads(Path(tmp, f"result-{r}.pkl").read_bytes())
                 for r in range(world_size)]
 

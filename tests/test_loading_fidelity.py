@@ -147,6 +147,73 @@ def test_ranks_start_from_the_namespace_as_loaded():
         as_loaded.record({})
 
 
+CACHED_AND_OPS_CODE = """\
+import functools
+import torch
+import torch.distributed
+
+@functools.cache
+def _unused_cached_helper(n):          # ring-flash-attention keeps its own @cache helpers
+    return n + 1
+
+@functools.lru_cache(maxsize=4)
+def offsets(n):
+    return tuple(range(n)) if n < 2 else offsets(n - 1) + (n - 1,)
+
+def gather_rows(rank, world_size):
+    x = torch.arange(6.0)
+    rows = torch.ops.aten.index_select(x, 0, torch.tensor(list(offsets(world_size))))
+    torch.ops._c10d_functional  # torchtitan reaches the functional collectives this way
+    return rows.tolist(), type(torch.distributed.config).__name__ != "", offsets.cache_info().maxsize
+"""
+
+
+def test_ranks_take_cached_helpers_and_torch_ops():
+    """A ``functools.cache`` helper in a cell (used or not) and a function that calls
+    ``torch.ops`` or touches ``torch.distributed.config`` reach every rank, through the
+    snapshot of the namespace and through ``launch`` (issue #32 A and B: they cost every
+    multi-process point: "Can't get attribute ... on <module '__main__'>", "cannot pickle
+    '_Ops' object")."""
+    from autograder.checking import as_loaded
+    from autograder.checking.ranks import run_ranks
+    from course.launch import launch
+
+    ns = {"__name__": "__main__"}
+    exec(compile(CACHED_AND_OPS_CODE, "<cell cached>", "exec", dont_inherit=True), ns)
+    assert as_loaded.record(ns) == []
+    try:
+        assert run_ranks(ns["gather_rows"], 2) == [([0.0, 1.0], True, 4)] * 2
+    finally:
+        as_loaded.record({})
+    assert launch(ns["gather_rows"], 2, quiet=True) == [([0.0, 1.0], True, 4)] * 2
+
+
+def test_a_rank_that_dies_in_a_cpp_abort_is_the_one_reported():
+    """gloo aborts (C++, SIGABRT) on a receive of another size than the send; its peer then
+    raises "Connection reset by peer" in Python. The message names the rank that died and its
+    own last lines, not the neighbour (issue #32 E)."""
+    from autograder.checking import as_loaded
+    from autograder.checking.ranks import run_ranks
+
+    ns = {"__name__": "__main__"}
+    source = ("import torch, torch.distributed as dist\n"
+              "def mismatched(rank, world_size):\n"
+              "    if rank == 0:\n        dist.send(torch.zeros(192), 1)\n"
+              "    else:\n        dist.recv(torch.zeros(96), 0)\n"
+              "    dist.barrier()\n")
+    exec(compile(source, "<cell mismatched>", "exec", dont_inherit=True), ns)
+    as_loaded.record(ns)
+    try:
+        with pytest.raises(RuntimeError) as failure:
+            run_ranks(ns["mismatched"], 2)
+    finally:
+        as_loaded.record({})
+    message = str(failure.value)
+    assert message.startswith("with 2 processes, rank 1 died (killed by SIGABRT)"), message
+    assert "768 vs 384" in message and "rank(s) 0 failed after it" in message, message
+    assert "sizes must match" in message
+
+
 def test_a_failure_on_a_rank_shows_the_cell_and_line():
     """A rank's failure names the student's cell and line, as a one-process failure does."""
     from autograder.checking import as_loaded
@@ -184,6 +251,14 @@ class _HeldOutMode(_enum.Enum):
 _HELD_OUT_GROUP = None
 _HELD_OUT_STATE = _HeldOutState()
 
+@_ft.cache
+def _held_out_cached(n):   # ring-flash-attention's style: a helper under functools.cache
+    return n + 1
+
+def _held_out_ops():   # torchtitan's style: an operator reached through torch.ops
+    import torch as _torch
+    return _torch.ops.aten.index_select(_torch.arange(3.0), 0, _torch.tensor([1])).item()
+
 def _held_out_remember(fn):
     \"\"\"Megatron-style: cache the world group in a global and in a dataclass on first use.\"\"\"
     @_ft.wraps(fn)
@@ -195,6 +270,7 @@ def _held_out_remember(fn):
             _dist.get_world_size(_HELD_OUT_GROUP)      # a stale group would fail here
             _HELD_OUT_STATE.group = _HELD_OUT_GROUP
             _HeldOutState.last = _HELD_OUT_GROUP
+        assert _held_out_cached(1) == 2 and _held_out_ops() == 1.0
         return fn(*args, **kwargs)
     return wrapper
 
@@ -215,7 +291,8 @@ else:
 
 def held_out_style(source_nb, function_names):
     """The reference with every answer cell under ``from __future__ import annotations``,
-    defining a dataclass and an enum, and each graded function caching a group globally."""
+    defining a dataclass, an enum, a ``functools.cache`` helper and a ``torch.ops`` call, and
+    each graded function caching a group globally and calling both helpers in every rank."""
     nb = nbformat.read(source_nb, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution"):

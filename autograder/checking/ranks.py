@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import re
+import signal
 import tempfile
 import threading
 import time
@@ -64,7 +65,7 @@ def run_ranks(fn, world_size: int, *args, backend: str | None = None,
             return launch(_noting_failure, world_size, errors, payload, backend=backend,
                           timeout=timeout, quiet=True, collective_timeout=collective_timeout)
         except LaunchError as exc:
-            raise RuntimeError(_first_failure(Path(errors), str(exc), world_size)) from None
+            raise RuntimeError(_first_failure(Path(errors), exc, world_size)) from None
         except TimeoutError:
             raise RuntimeError(
                 f"with {world_size} processes, the ranks were still running after {timeout:.0f} s "
@@ -105,9 +106,37 @@ def _noting_failure(rank, world_size, errors, payload):
         raise
 
 
-def _first_failure(errors: Path, launch_message: str, world_size: int) -> str:
+#: What a rank says when it only lost its peer: the cause is elsewhere.
+_LOST_PEER = re.compile(r"Connection (reset|closed) by peer|Broken pipe|NCCL communicator was "
+                        r"aborted|Timed out|timed out")
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _first_failure(errors: Path, launch_error, world_size: int) -> str:
+    """The first rank that failed, with its own error: a Python exception noted by the rank,
+    unless every noted exception only reports a lost peer and a rank died without one (a C++
+    abort in gloo, a signal, ``os._exit``): then that rank, with its own last lines."""
+    launch_message = str(launch_error)
     first = sorted(errors.iterdir(), key=lambda f: float(f.name.split("-")[0]))
-    if first:
+    noted = {f.name.split("-")[1] for f in first}
+    silent = [(rank, code, tail) for rank, code, tail in getattr(launch_error, "failures", [])
+              if str(rank) not in noted]
+    if silent and all(_LOST_PEER.search(f.read_text()) for f in first):
+        rank, code, tail = silent[0]
+        message = short_traceback(tail, f"with {world_size} processes, rank {rank} died "
+                                        f"({_exit_reason(code)}) outside Python")
+        others = sorted(noted | {str(r) for r, _, _ in silent[1:]})
+        if others:
+            message += f"\n(rank(s) {', '.join(others)} failed after it: they lost their peer)"
+    elif first:
         rank = first[0].name.split("-")[1]
         others = sorted({f.name.split("-")[1] for f in first[1:]} - {rank})
         message = short_traceback(first[0].read_text(), f"with {world_size} processes, rank "
@@ -116,7 +145,10 @@ def _first_failure(errors: Path, launch_message: str, world_size: int) -> str:
             message += f"\n(rank(s) {', '.join(others)} failed as well)"
     else:
         message = short_traceback(launch_message, launch_message.splitlines()[0].split(";")[0])
-    if re.search(r"gloo|nccl|Timed out|timed out|Connection (reset|closed)", message):
+    if "size doesn't match" in message:
+        message += ("\nA receive's tensor has another size than the tensor its peer sent (or the "
+                    "two ranks made different calls in between): sizes must match call for call.")
+    elif re.search(r"gloo|nccl|Timed out|timed out|Connection (reset|closed)", message):
         message += ("\nA rank waited for a message its neighbour never sent, or sent one nobody "
                     "received: every send needs a matching receive, posted in the same order "
                     "on both ranks, and every rank must make the same collective calls.")
