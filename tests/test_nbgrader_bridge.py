@@ -67,3 +67,26 @@ def test_a_speed_check_left_unrun_earns_nothing_in_nbgrader(monkeypatch):
     assert skipped_points(hardware) == 2.0 and skipped_points(unrun) == 0.0
     (*_, last) = cell_outputs({"results": [unrun]}, "f", 2.0)
     assert last.output_type == "error"
+
+
+def test_self_check_sends_cached_helpers_and_torch_ops(offline_env, monkeypatch):
+    """check() serialises the kernel's definitions with the launcher's pickler: a
+    ``functools.cache`` helper in ``__main__`` and a function that calls ``torch.ops`` reach the
+    grader (plain cloudpickle named the first by reference to ``__main__`` and could not pickle
+    the second: "cannot pickle '_Ops' object"; issue #32 A and B)."""
+    nb = nbformat.read(SOURCE, as_version=4)
+    wanted = {"setup", "copy_params", "check_copy_params"}
+    nb.cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") in wanted]
+    answer = next(c for c in nb.cells if c.metadata["nbgrader"].get("grade_id") == "copy_params")
+    answer.source += ("\n\nimport functools\n\n@functools.cache\ndef cached_helper(n):\n"
+                      "    return n + 1\n\ndef ops_helper(x):\n"
+                      "    return torch.ops.aten.index_select(x, 0, torch.tensor([0]))\n\n"
+                      "_copy_params = copy_params\n\n"
+                      "def copy_params(*args, **kwargs):\n"
+                      "    assert cached_helper(1) == 2 and ops_helper(torch.arange(3.0)).item() == 0\n"
+                      "    return _copy_params(*args, **kwargs)\n")
+    solved = execute(nb, offline_env, monkeypatch)
+    assert not errors(solved), errors(solved)
+    outputs = "".join(o.get("text", "") for c in solved.cells if c.source.startswith("check(")
+                      for o in c.outputs)
+    assert "copy_params: all 2 check(s) passed" in outputs
