@@ -95,6 +95,19 @@ def test_no_import_cycles_and_the_registry_is_a_leaf():
     assert graph["autograder.registry"] == set()
 
 
+def test_the_sandbox_imports_nothing_from_the_layers_above_it():
+    """The sandbox (and its worker, which runs beside student code) sits below checking/ and
+    the assignments: nothing of theirs is imported there. The answer keys' loader imports only
+    the registry, and nothing of the sandbox loads a key."""
+    graph = import_graph()
+    sandbox = {m: deps for m, deps in graph.items() if m.startswith("autograder.sandbox")}
+    assert sandbox and not {m: sorted(d for d in deps if d.startswith(
+        ("autograder.checking", "autograder.assignments", "autograder.keys")))
+        for m, deps in sandbox.items() if any(d.startswith(
+            ("autograder.checking", "autograder.assignments", "autograder.keys")) for d in deps)}
+    assert graph["autograder.keys"] <= {"autograder.registry"}
+
+
 def test_no_grader_file_over_450_lines():
     long = {str(p.relative_to(REPO)): n for p in GRADER.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 450}

@@ -125,7 +125,7 @@ def test_ranks_start_from_the_namespace_as_loaded():
     starts from the state the cells left, as ``launch`` in the notebook starts fresh processes."""
     import torch
 
-    from autograder.checking import as_loaded
+    from autograder.sandbox import as_loaded
     from autograder.checking.ranks import run_ranks
 
     ns = {"__name__": "__student_test__"}
@@ -174,7 +174,7 @@ def test_ranks_take_cached_helpers_and_torch_ops():
     snapshot of the namespace and through ``launch`` (issue #32 A and B: they cost every
     multi-process point: "Can't get attribute ... on <module '__main__'>", "cannot pickle
     '_Ops' object")."""
-    from autograder.checking import as_loaded
+    from autograder.sandbox import as_loaded
     from autograder.checking.ranks import run_ranks
     from course.launch import launch
 
@@ -192,7 +192,7 @@ def test_a_rank_that_dies_in_a_cpp_abort_is_the_one_reported():
     """gloo aborts (C++, SIGABRT) on a receive of another size than the send; its peer then
     raises "Connection reset by peer" in Python. The message names the rank that died and its
     own last lines, not the neighbour (issue #32 E)."""
-    from autograder.checking import as_loaded
+    from autograder.sandbox import as_loaded
     from autograder.checking.ranks import run_ranks
 
     ns = {"__name__": "__main__"}
@@ -216,7 +216,7 @@ def test_a_rank_that_dies_in_a_cpp_abort_is_the_one_reported():
 
 def test_a_failure_on_a_rank_shows_the_cell_and_line():
     """A rank's failure names the student's cell and line, as a one-process failure does."""
-    from autograder.checking import as_loaded
+    from autograder.sandbox import as_loaded
     from autograder.checking.ranks import run_ranks
 
     ns = {"__name__": "__student_test__"}

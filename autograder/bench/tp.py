@@ -1,6 +1,6 @@
 """``python -m autograder.bench tp [--procs 2 4] [--hidden 256 512 ...] [--out DIR]``: what
 tensor parallelism costs and saves on this machine, for Assignment 5 (lesson 13; ``make bench``
-runs it, and ``python -m autograder.bench_tp``, the name lesson 13 gives, still does).
+runs it).
 
 One transformer-style MLP block, ``Linear(d, 4d), GELU, Linear(4d, d)``, forward and backward
 on a global batch of ``--tokens`` rows whose input requires a gradient (as for a block inside a

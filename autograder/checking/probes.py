@@ -9,7 +9,7 @@ import inspect
 
 import torch
 
-from . import as_loaded
+from ..sandbox import as_loaded
 from .reference import reference_namespace
 
 

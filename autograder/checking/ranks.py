@@ -25,23 +25,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import as_loaded
+from ..sandbox import as_loaded
+from ..sandbox.as_loaded import exact_float32
 
 #: Seconds a collective (or a receive) may wait before its process group gives up: a ring
 #: whose ranks wait for each other fails after this, with a message, instead of hanging.
 COLLECTIVE_TIMEOUT = 20.0
 #: Seconds for one whole multi-process run (start-up included) before every rank is stopped.
 LAUNCH_TIMEOUT = 90.0
-
-
-def exact_float32() -> None:
-    """float32 arithmetic means float32 in every check: no TF32 in cuBLAS matmuls or cuDNN
-    convolutions. Why: PyTorch lets cuDNN use TF32 (a 10-bit mantissa) by default, while every
-    float32 bar is derived from IEEE float32 runs; on an H200, A1's reference lost a check when
-    its LeNet step strayed 1.5e-3 from float64. Called before each probe call in the sandbox
-    and before the function on each rank (student code may change it again: that is its own)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
 
 
 def run_ranks(fn, world_size: int, *args, backend: str | None = None,

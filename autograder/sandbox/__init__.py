@@ -38,7 +38,7 @@ from course.launch import PRELOAD_ENV
 
 from ..registry import REPO
 from . import framing
-from .framing import decode_reply, read_frame, write_frame
+from .framing import WARM_RANKS_ENV, decode_reply, read_frame, write_frame
 from .isolation import UNSHARE, become_subreaper, kill_tree, namespaces_available, sandbox_user
 
 OUTPUT_TAIL_BYTES = 4000          # how much of the child's output a message may quote
@@ -134,10 +134,6 @@ class Sandbox:
                    PYTHONNOUSERSITE="1", MPLBACKEND="Agg", COURSE_OFFLINE="1",
                    PYTHONPATH=str(REPO))  # the worker runs this same grader's code
         if self.rank_modules is not None:
-            # imported here, not at the top: the worker runs as ``-m autograder.sandbox.worker``,
-            # and a package that imported it first would make runpy warn in every worker's output
-            from .worker import WARM_RANKS_ENV
-
             env[WARM_RANKS_ENV] = "1"
             env[PRELOAD_ENV] = ",".join(self.rank_modules)
         cmd = [sys.executable, "-m", "autograder.sandbox.worker", str(req_r), str(rep_w)]

@@ -1,5 +1,6 @@
-"""Length-prefixed frames between the grader and its worker, and the one door through which
-the worker's data enters the grader: :func:`decode_reply` (weights-only unpickling)."""
+"""What the grader and its worker agree on: length-prefixed frames between them, the one door
+through which the worker's data enters the grader (:func:`decode_reply`, weights-only
+unpickling), and the environment variable that tells a worker to warm up ranks."""
 from __future__ import annotations
 
 import io
@@ -7,6 +8,10 @@ import os
 import select
 import struct
 import time
+
+
+#: Set by the parent for assignments whose checks start ranks (spec.rank_modules).
+WARM_RANKS_ENV = "AUTOGRADER_WARM_RANKS"
 
 
 class BadReply(Exception):

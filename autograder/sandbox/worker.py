@@ -17,8 +17,6 @@ import struct
 import sys
 import traceback
 
-#: Set by the parent for assignments whose checks start ranks (spec.rank_modules).
-WARM_RANKS_ENV = "AUTOGRADER_WARM_RANKS"
 
 
 def _frame_io(req_fd, rep_fd):
@@ -105,7 +103,7 @@ def _load(msg) -> dict:
     ``linecache`` under its name, so ``inspect.getsource`` and tracebacks show its lines.
     cloudpickle sends ``__main__``'s functions and classes to ranks by value, as it does from a
     notebook. What the namespace holds once loaded is recorded: every multi-process run starts
-    from that state (:mod:`autograder.checking.as_loaded`).
+    from that state (:mod:`autograder.sandbox.as_loaded`).
     """
     import builtins
     import linecache
@@ -137,7 +135,7 @@ def _load(msg) -> dict:
             errors[cell_id] = f"the cell called exit({exc.code!r}); the rest of it was skipped"
         except BaseException as exc:  # noqa: BLE001
             errors[cell_id] = _format_exception(exc)
-    from autograder.checking import as_loaded
+    from autograder.sandbox import as_loaded
 
     as_loaded.record(ns)
     return ns, errors
@@ -169,6 +167,8 @@ class _NoShell:
 def main(req_fd: int, rep_fd: int) -> None:
     if os.getpid() == 1:  # we are PID 1 of a fresh PID namespace made by unshare
         _isolate()
+    from autograder.sandbox.framing import WARM_RANKS_ENV
+
     if os.environ.get(WARM_RANKS_ENV):
         # the ranks' fork server imports torch while we import it and load the submission
         from course.launch import start_fork_server
@@ -177,7 +177,7 @@ def main(req_fd: int, rep_fd: int) -> None:
     receive, send = _frame_io(req_fd, rep_fd)
     import torch
 
-    from autograder.checking.ranks import exact_float32
+    from autograder.sandbox.as_loaded import exact_float32
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     ns: dict = {}
