@@ -1,7 +1,10 @@
 """Assignment 8 through the CLI: the reference scores full, the stubs zero, each planted bug loses
-exactly the points of the function it breaks, with a message that names what is wrong; and,
-without processes, the grader's own parts: best_config's hidden cases are decided by more than
-float rounding, and the grader trains the notebook's model.
+exactly the points of the function it breaks (with the answer key: its public and its hidden
+checks), with a message that names what is wrong; without the key (the student's view) the
+reference earns every public point and the hidden checks are reserved; and, without processes,
+the grader's own parts: public_cases.json is the key's public_cases(), best_config's public and
+hidden cases are decided by more than float rounding, and the grader trains the notebook's
+model.
 
 Each function is graded with the reference versions of the parts it calls, so bugs that break
 different functions are planted together: one grading run holds a bug in each of the four
@@ -12,13 +15,14 @@ the fork server in milliseconds). A pipeline that deadlocks (a gradient never se
 one launch timeout (60 s: gloo's receives wait for ever), fails train_3d's three checks together,
 keeps the cost model's points and leaves no process behind.
 
-Tier: both: reference full marks, stub zero and the grader's parts are quick (one grading
-each, or none); planted bugs are full.
+Tier: both: reference full marks (with and without the key), stub zero and the grader's parts
+are quick (one grading each, or none); planted bugs are full.
 """
 from __future__ import annotations
 
 import ast
 import inspect
+import json
 import time
 import uuid
 from fractions import Fraction
@@ -31,6 +35,8 @@ from conftest import (REPO, assert_grades_full_marks_within, assert_only_these_l
 
 from autograder.assignments.a8_composition import expected as E
 from autograder.assignments.a8_composition import ranks as R
+from autograder.assignments.a8_composition.spec import SPEC
+from autograder.keys import RESERVED, WITHOUT_KEY_ENV, answer_key, is_reserved
 
 SOURCE = REPO / "solutions" / "a8_composition" / "composition.ipynb"
 RELEASE = REPO / "assignments" / "a8_composition" / "composition.ipynb"
@@ -70,6 +76,14 @@ TRAIN_BUGS = {
 }
 
 
+def key():
+    """The answer key (solutions/a8_composition/answer_key.py): the instructor's repository
+    has it."""
+    module = answer_key("a8_composition")
+    assert module is not None, "the answer key is missing"
+    return module
+
+
 def write(tmp_path, name, *bugs):
     return planted_copy(SOURCE, tmp_path, name, *bugs)
 
@@ -95,6 +109,28 @@ def test_a_long_tmpdir_changes_no_grade(offline_env, tmp_path):
 
 
 @pytest.mark.slow
+def test_without_the_key_the_reference_earns_every_public_point(offline_env):
+    """The student's view (no answer key): every public check passes, every hidden one is
+    SKIPPED as reserved (never earned or lost), and each function keeps a public check."""
+    report = grade(SOURCE, "--speed", "skip", env={**offline_env, WITHOUT_KEY_ENV: "absent"})
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    hidden = {c.name for c in SPEC.checks if c.hidden}
+    results = {r["name"]: r for r in report["results"]}
+    assert set(results) == {c.name for c in SPEC.checks}, report["stdout"]
+    for name, r in results.items():
+        if name in hidden:
+            assert is_reserved(r) and r["message"] == RESERVED and r["points"] == 0, r
+        else:
+            assert r["status"] == "passed" and r["points"] == r["max_points"], r
+    assert report["score"] == SPEC.public_points() == 13, report["stdout"]
+    assert hidden == {"per_rank_memory_exact_bytes_on_hidden_and_random_cases",
+                      "step_time_matches_the_cost_model_on_hidden_and_random_cases",
+                      "best_config_hidden_cases"}
+    public = {c.function for c in SPEC.checks if not c.hidden}
+    assert public == {f.name for f in SPEC.functions}
+
+
+@pytest.mark.slow
 def test_released_stubs_score_zero_with_readable_messages(offline_env):
     report = grade(RELEASE, "--speed", "skip", env=offline_env)
     assert_stubs_score_zero(report)
@@ -103,15 +139,20 @@ def test_released_stubs_score_zero_with_readable_messages(offline_env):
 @pytest.mark.full
 @pytest.mark.slow
 def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path):
-    """Four bugs in four functions, in one grading run: each loses all of its function's
-    points, every other function keeps all of its own, and each failure says what is wrong."""
+    """Four bugs in four functions, in one grading run (with the key): each loses all of its
+    function's points, public and hidden, every other function keeps all of its own, and each
+    failure says what is wrong."""
     report = grade(write(tmp_path, "bugs", BUGS), "--speed", "skip", env=offline_env)
     print(report["stdout"])
     assert_only_these_lose_points(report, BUGS)
     failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
-    assert "['activations']" in failed["per_rank_memory_exact_bytes_of_every_stage"], failed
-    assert "['bubble']" in failed["step_time_matches_the_cost_model"], failed
-    assert "the best needs exactly that" in failed["best_config_hidden_cases"], failed
+    for where in ("public", "hidden_and_random"):
+        assert "['activations']" in failed[f"per_rank_memory_exact_bytes_on_{where}_cases"], \
+            failed
+        assert "['bubble']" in failed[f"step_time_matches_the_cost_model_on_{where}_cases"], \
+            failed
+    for where in ("public", "hidden"):
+        assert "the best needs exactly that" in failed[f"best_config_{where}_cases"], failed
     for name in ("pp2_dp2_tp2_on_8_ranks_matches_one_process", "each_mode_on_its_own_group"):
         assert "made a SEND with rank" in failed[f"train_3d_{name}"], failed  # not its neighbour
 
@@ -168,34 +209,66 @@ def _tagged(process, tag: str) -> bool:
 
 # ---------------------------------------------------------------------------- the grader's parts
 
-def test_best_config_hidden_cases_are_decided_by_more_than_rounding():
-    """In exact arithmetic every fitting configuration's time equals the best's or is at least
-    1e-6 (relative) above it: float code in any summation order (within ~1e-15 of exact) and
-    math.isclose(rel_tol=1e-9) tie exactly the configurations the grader ties. And the cases
-    ask for what the text teaches: binding memory limits (ZeRO-3, checkpointing, pipelining
-    and tensor parallelism in the answers), a limit the best meets exactly, one where nothing
-    fits, world sizes 8, 16 and 64 on nodes of 2, 4 and 8."""
-    seen = set()
-    for label, model, hw, world in E.BEST_CASES:
-        fits = E.fitting(model, hw, world)
+def test_public_cases_json_is_the_keys_and_holds_no_hidden_case():
+    """public_cases.json is what the key's public_cases() gives (write it again with ``python
+    solutions/a8_composition/answer_key.py``), as the checks read it; none of its cases is a
+    hidden one, and each function has some."""
+    K = key()
+    assert json.loads(E.PUBLIC_CASES_PATH.read_text()) == K.public_cases() == E.public_cases()
+    assert E.PUBLIC_CASES_PATH.read_text() == K.public_cases_text()
+    hidden_cost = [(m, p) for m, p, _ in K.HIDDEN_COST_CASES]
+    hidden_best = [(m, hw, world) for _, m, hw, world in K.hidden_best_cases()]
+    cases = E.public_cases()
+    for name in ("per_rank_memory", "step_time"):
+        assert len(cases[name]) >= 5
+        for case in cases[name]:
+            assert (case["model_cfg"], case["par_cfg"]) not in hidden_cost, case
+    assert len(cases["best_config"]) >= 5
+    for case in cases["best_config"]:
+        assert (case["model_cfg"], case["hw_cfg"], case["world_size"]) not in hidden_best, case
+
+
+def _decided_by_more_than_rounding(cases) -> set[str]:
+    """Every case's fitting configurations are tied with the best or at least 1e-6 (relative)
+    slower; what the answers use (for coverage)."""
+    K, seen = key(), set()
+    for label, model, hw, world in cases:
+        fits = K.fitting(model, hw, world)
         if not fits:
-            assert E.best_config(model, hw, world) is None
+            assert K.best_config(model, hw, world) is None
             seen.add("nothing fits")
             continue
         best = min(t for t, _, _ in fits)
         close = [(float((t - best) / best), par) for t, _, par in fits
                  if t != best and t - best < Fraction(1, 10**6) * best]
         assert not close, (label, close[:3])
-        answer = E.best_config(model, hw, world)
-        memory = max(E.per_rank_memory(model, answer)["total"])
+        answer = K.best_config(model, hw, world)
+        memory = max(K.per_rank_memory(model, answer)["total"])
         seen |= {k for k, ok in (("zero 3", answer["zero"] == 3), ("checkpoint",
                  answer["checkpoint"]), ("pp", answer["pp"] > 1), ("tp", answer["tp"] > 1),
                  ("exact limit", memory == hw["memory"]),
-                 ("binds", E.best_config(model, dict(hw, memory=1 << 62), world) != answer))
+                 ("binds", K.best_config(model, dict(hw, memory=1 << 62), world) != answer))
                  if ok}
         seen |= {f"world {world}", f"node {hw['node_size']}"}
+    return seen
+
+
+def test_best_config_cases_are_decided_by_more_than_rounding():
+    """In exact arithmetic every fitting configuration's time equals the best's or is at least
+    1e-6 (relative) above it: float code in any summation order (within ~1e-15 of exact) and
+    math.isclose(rel_tol=1e-9) tie exactly the configurations the grader ties. And the cases
+    ask for what the text teaches: binding memory limits (ZeRO-3, checkpointing, pipelining
+    and tensor parallelism in the answers), a limit the best meets exactly, one where nothing
+    fits, world sizes 8, 16 and 64 on nodes of 2, 4 and 8 (the hidden ones); the public ones
+    too, as far as their smaller worlds allow."""
+    seen = _decided_by_more_than_rounding(key().hidden_best_cases())
     assert seen >= {"nothing fits", "zero 3", "checkpoint", "pp", "tp", "exact limit", "binds",
                     "world 8", "world 16", "world 64", "node 2", "node 4", "node 8"}, seen
+    public = [(c["what"], c["model_cfg"], c["hw_cfg"], c["world_size"])
+              for c in E.public_cases()["best_config"]]
+    seen = _decided_by_more_than_rounding(public)
+    assert seen >= {"nothing fits", "zero 3", "checkpoint", "pp", "tp", "exact limit",
+                    "binds"}, seen
 
 
 def test_the_graders_model_is_the_notebooks():

@@ -1,11 +1,13 @@
 """Checks for Assignment 8: composing parallelisms.
 
 Graded: the cost model (``per_rank_memory``, ``step_time``, ``best_config``: in the sandbox's
-process, against the grader's exact arithmetic in :mod:`.expected`) and ``train_3d``: one run
-on 8 processes trains every mesh of :data:`.ranks.RUNS` (:func:`_train_run`), judged by all of
-its checks against one process training the dense model (float64). Communication is counted by
-the ranks' harness, per group. A function's later checks count only when its values are right.
-Points: spec.py.
+process) and ``train_3d``: one run on 8 processes trains every mesh of :data:`.ranks.RUNS`
+(:func:`_train_run`), judged by all of its checks against one process training the dense model
+(float64). The cost model's public checks compare with the fixed cases' values stored as data
+(public_cases.json); its hidden checks (``hidden=True`` in spec.py) compare hidden and random
+cases with the instructor's answer key (:func:`autograder.keys.answer_key`), loaded only here,
+in the grader's process. Communication is counted by the ranks' harness, per group. A
+function's later checks count only when its values are right. Points: spec.py.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 from autograder.checking.collectives import HOOKED_COLLECTIVES
 from autograder.checking.expect import assert_close, fresh_generator, tensor
+from autograder.keys import answer_key
 
 from . import expected as E
 from . import ranks as R
@@ -33,9 +36,16 @@ EPS = torch.finfo(torch.float64).eps
 TIME_RTOL = 1e-12
 
 
+def _key():
+    """The instructor's answer key (a hidden check runs only where it is present)."""
+    key = answer_key(SPEC.assignment)
+    assert key is not None, "the answer key is absent: this check should have been skipped"
+    return key
+
+
 def _shared_cases(student, key, make, probe, args):
     """``(seed, cases, reply)`` of one probe call on ``args(cases)`` shared by a function's
-    checks."""
+    checks (``make(g)``: the cases, from a fresh generator)."""
     def run():
         g, seed = fresh_generator()
         cases = make(g)
@@ -64,18 +74,22 @@ def _keys(desc, what, keys, inputs) -> dict:
     return got
 
 
+def _public(name) -> list[tuple]:
+    """``[(inputs by parameter, expected)]`` of ``name``'s public fixed cases (the JSON's)."""
+    params = SPEC.function(name).params
+    return [(tuple(case[p] for p in params), case["expected"])
+            for case in E.public_cases()[name]]
+
+
 # ---------------------------------------------------------------------------- per_rank_memory
 
-def _judge_memory(student):
-    seed, cases, (results, errors) = _shared_cases(
-        student, "memory", E.memory_cases, probe_cost,
-        lambda cases: ("per_rank_memory", cases, [(m, p) for m, p, _ in E.BAD_CASES]))
-    assert len(results) == len(cases), "the reply was tampered with"
-    for (model, par), reply in zip(cases, results):
+def _judge_memory(results, cases, wants, where):
+    """Each of ``results`` against ``wants``, exactly (``where``: which cases, for messages)."""
+    assert len(results) == len(cases) == len(wants), "the reply was tampered with"
+    for (model, par), reply, want in zip(cases, results, wants):
         inputs = _show(model, par)
         got = _keys(_result(reply, "per_rank_memory", inputs), "per_rank_memory", E.MEMORY_KEYS,
                     inputs)
-        want = E.per_rank_memory(model, par)
         for key in E.MEMORY_KEYS:
             items = got[key]
             assert items.get("t") in ("list", "tuple") and len(items["v"]) == par["pp"], (
@@ -84,13 +98,31 @@ def _judge_memory(student):
             values = [v.get("v") if v.get("t") == "int" else v.get("t") for v in items["v"]]
             assert values == want[key], (
                 f"per_rank_memory(...)['{key}'] is {values}; expected {want[key]} (bytes per "
-                f"rank of each stage, exact ints) for {inputs} (seed {seed})")
+                f"rank of each stage, exact ints) for {inputs} ({where})")
+
+
+def _public_memory(student):
+    """The public fixed cases' values checked; what the bad cases raised."""
+    cases, wants = zip(*_public("per_rank_memory"))
+    results, errors = student.shared("memory", lambda: student.call(
+        probe_cost, "per_rank_memory", list(cases), [(m, p) for m, p, _ in E.BAD_CASES]))
+    _judge_memory(results, cases, wants, "a public case: public_cases.json")
     return errors
 
 
 @graded
-def test_per_rank_memory_exact_bytes_of_every_stage(student):
-    _judge_memory(student)
+def test_per_rank_memory_exact_bytes_on_public_cases(student):
+    _public_memory(student)
+
+
+@graded
+def test_per_rank_memory_exact_bytes_on_hidden_and_random_cases(student):
+    key = _key()
+    seed, cases, (results, _) = _shared_cases(
+        student, "memory_hidden", key.memory_cases, probe_cost,
+        lambda cases: ("per_rank_memory", cases, []))
+    _judge_memory(results, cases, [key.per_rank_memory(m, p) for m, p in cases],
+                  f"a hidden or random case, seed {seed}")
 
 
 def _judge_errors(name, errors, hw=None):
@@ -103,20 +135,17 @@ def _judge_errors(name, errors, hw=None):
 
 @graded
 def test_per_rank_memory_value_errors(student):
-    _judge_errors("per_rank_memory", _judge_memory(student))  # given only with right values
+    _judge_errors("per_rank_memory", _public_memory(student))  # given with right public values
 
 
 # ---------------------------------------------------------------------------- step_time
 
-def _judge_time(student):
-    seed, cases, (results, errors) = _shared_cases(
-        student, "time", E.time_cases, probe_cost,
-        lambda cases: ("step_time", cases, [(m, p, E.H100) for m, p, _ in E.BAD_CASES]))
-    assert len(results) == len(cases), "the reply was tampered with"
-    for (model, par, hw), reply in zip(cases, results):
+def _judge_time(results, cases, wants, where):
+    """Each of ``results`` against ``wants`` (floats or exact Fractions), within TIME_RTOL."""
+    assert len(results) == len(cases) == len(wants), "the reply was tampered with"
+    for (model, par, hw), reply, want in zip(cases, results, wants):
         inputs = _show(model, par, hw)
         got = _keys(_result(reply, "step_time", inputs), "step_time", E.TIME_KEYS, inputs)
-        want = E.step_time(model, par, hw)
         total = float(want["total"])
         for key in E.TIME_KEYS:
             v, w = got[key].get("v"), float(want[key])
@@ -125,32 +154,50 @@ def _judge_time(student):
                 f" (for {inputs})")
             assert math.isfinite(v) and abs(v - w) <= TIME_RTOL * (abs(w) + 1e-3 * total), (
                 f"step_time(...)['{key}'] is {v!r}; expected {w!r} (seconds) for {inputs} "
-                f"(seed {seed})")
+                f"({where})")
+
+
+def _public_time(student):
+    """The public fixed cases' values checked; what the bad cases raised."""
+    cases, wants = zip(*_public("step_time"))
+    results, errors = student.shared("time", lambda: student.call(
+        probe_cost, "step_time", list(cases), [(m, p, E.H100) for m, p, _ in E.BAD_CASES]))
+    _judge_time(results, cases, wants, "a public case: public_cases.json")
     return errors
 
 
 @graded
-def test_step_time_matches_the_cost_model(student):
-    _judge_time(student)
+def test_step_time_matches_the_cost_model_on_public_cases(student):
+    _public_time(student)
+
+
+@graded
+def test_step_time_matches_the_cost_model_on_hidden_and_random_cases(student):
+    key = _key()
+    seed, cases, (results, _) = _shared_cases(
+        student, "time_hidden", key.time_cases, probe_cost,
+        lambda cases: ("step_time", cases, []))
+    _judge_time(results, cases, [key.step_time(*case) for case in cases],
+                f"a hidden or random case, seed {seed}")
 
 
 @graded
 def test_step_time_value_errors(student):
-    _judge_errors("step_time", _judge_time(student), E.H100)  # given only with right values
+    _judge_errors("step_time", _public_time(student), E.H100)  # given with right public values
 
 
 # ---------------------------------------------------------------------------- best_config
 
-@graded
-def test_best_config_hidden_cases(student):
-    cases = [(model, hw, world) for _, model, hw, world in E.BEST_CASES]
+def _judge_best(student, cases, wants):
+    """``best_config`` on ``cases`` (``(what, model, hw, world size)``) against ``wants`` (the
+    configuration, or None where nothing fits)."""
     helpers = E.helper_cells(SPEC.function("best_config").helpers)
-    results = student.call(probe_best, cases, helpers)
+    results = student.call(probe_best, [(model, hw, world) for _, model, hw, world in cases],
+                           helpers)
     assert isinstance(results, list) and len(results) == len(cases), "the reply was tampered with"
-    for (label, model, hw, world), reply in zip(E.BEST_CASES, results):
+    for (label, model, hw, world), reply, want in zip(cases, results, wants):
         what = f"best_config for {label}"
         inputs = f"model_cfg={model}, hw_cfg={hw}, world_size={world}"
-        want = E.best_config(model, hw, world)
         if want is None:
             assert reply.get("error", "").startswith("ValueError"), (
                 f"{what}: no configuration fits, so it should raise ValueError; got "
@@ -165,6 +212,21 @@ def test_best_config_hidden_cases(student):
             f"{what} is {values}; expected {want} (the fastest that fits; equal times to the "
             "smallest max memory, then pp, tp, micro_batches, zero, checkpoint, schedule) "
             f"(for {inputs})")
+
+
+@graded
+def test_best_config_public_cases(student):
+    cases = E.public_cases()["best_config"]
+    _judge_best(student, [(c["what"], c["model_cfg"], c["hw_cfg"], c["world_size"])
+                          for c in cases], [c["expected"] for c in cases])
+
+
+@graded
+def test_best_config_hidden_cases(student):
+    key = _key()
+    cases = key.hidden_best_cases()
+    _judge_best(student, cases, [key.best_config(model, hw, world)
+                                 for _, model, hw, world in cases])
 
 
 # ---------------------------------------------------------------------------- train_3d

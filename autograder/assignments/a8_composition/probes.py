@@ -65,8 +65,8 @@ def probe_cost(ns, name, cases, bad):
 
 
 def probe_best(ns, cases, helper_cells=None):
-    """``best_config`` on each hidden case, with the reference's per_rank_memory and step_time
-    where the reference is at hand; the bad case's error."""
+    """``best_config`` on each case, with the reference's per_rank_memory and step_time
+    where the reference is at hand: its result, or what it raised."""
     fn = student_function(ns, SPEC.function("best_config"))
     names = list(SPEC.function("best_config").helpers)
     with reference_helpers(types.SimpleNamespace(__globals__=ns), helper_cells, names):
