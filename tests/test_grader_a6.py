@@ -5,17 +5,30 @@ Every grading run starts one 4-process run per function, so bugs that break diff
 are planted together: ``ring_attention`` is graded with the reference ``merge_attention``, and
 ``train_cp`` with the reference ring and Ulysses, so each bug costs its own function only. The
 second bug of ``ring_attention`` and of ``train_cp`` gets a second run (``--only`` those two), and
-a ring that all-gathers K/V (right values, wrong communication) a third.
+a ring that all-gathers K/V (right values, wrong communication) a third. With the answer key
+(the instructor's repository) the planted bugs lose their public and hidden checks; without it
+(the student's view) the reference earns every public point and the hidden check is reserved.
+Without processes: public_cases.json is the key's public_cases(), and the public merge check's
+tolerance holds correct merges written three ways with room to spare.
 
-Tier: both: reference full marks and stub zero are quick (one grading each); planted bugs are
-full.
+Tier: both: reference full marks (with and without the key), stub zero and the grader's parts
+are quick (one grading each, or none); planted bugs are full.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from conftest import (REPO, assert_grades_full_marks_within, assert_only_these_lose_points,
                       assert_stubs_score_zero, grade, planted_copy, points_by_function)
+
+from autograder.assignments.a6_context_parallel import checks as C
+from autograder.assignments.a6_context_parallel import expected as E
+from autograder.assignments.a6_context_parallel import ranks as R
+from autograder.assignments.a6_context_parallel.spec import SPEC
+from autograder.keys import RESERVED, WITHOUT_KEY_ENV, answer_key, is_reserved
 
 SOURCE = REPO / "solutions" / "a6_context_parallel" / "context_parallel.ipynb"
 RELEASE = REPO / "assignments" / "a6_context_parallel" / "context_parallel.ipynb"
@@ -69,6 +82,14 @@ ALL_GATHER_RING = {"ring_attention": (
     "    return torch.softmax(scores, -1) @ V\n")}
 
 
+def key():
+    """The answer key (solutions/a6_context_parallel/answer_key.py): the instructor's repository
+    has it."""
+    module = answer_key("a6_context_parallel")
+    assert module is not None, "the answer key is missing"
+    return module
+
+
 def write(tmp_path, name, bugs):
     return planted_copy(SOURCE, tmp_path, name, bugs)
 
@@ -76,6 +97,93 @@ def write(tmp_path, name, bugs):
 @pytest.mark.slow
 def test_reference_solution_scores_full_marks(offline_env):
     assert_grades_full_marks_within(SOURCE, 300, offline_env)
+
+
+@pytest.mark.slow
+def test_without_the_key_the_reference_earns_every_public_point(offline_env):
+    """The student's view (no answer key): every public check passes, every hidden one is
+    SKIPPED as reserved (never earned or lost), and each function keeps a public check."""
+    report = grade(SOURCE, "--speed", "skip", env={**offline_env, WITHOUT_KEY_ENV: "absent"})
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    hidden = {c.name for c in SPEC.checks if c.hidden}
+    results = {r["name"]: r for r in report["results"]}
+    assert set(results) == {c.name for c in SPEC.checks}, report["stdout"]
+    for name, r in results.items():
+        if name in hidden:
+            assert is_reserved(r) and r["message"] == RESERVED and r["points"] == 0, r
+        else:
+            assert r["status"] == "passed" and r["points"] == r["max_points"], r
+    assert report["score"] == SPEC.public_points() == 15, report["stdout"]
+    assert hidden == {"merge_attention_hidden_cases"}
+    assert {c.function for c in SPEC.checks if not c.hidden} == {f.name for f in SPEC.functions
+                                                                   if f.name != "zigzag_unshard"}
+
+
+def test_public_cases_json_is_the_keys_public_cases():
+    """The zig-zag layouts the grader uses are values written from the key, never drifting; they
+    cover every (group size, sequence length) the checks shard."""
+    path = REPO / "autograder" / "assignments" / "a6_context_parallel" / "public_cases.json"
+    assert json.loads(path.read_text()) == key().public_cases()
+    assert path.read_text() == key().public_cases_text()
+    for _, members in R.GROUPS:
+        n = len(members)
+        sizes = {R.zigzag_shape(shape, n, 1 + c % 3)[dim] for c, (shape, dim) in
+                 enumerate(R.ZIGZAG_CASES)} | {n * R.L}
+        for size in sizes:
+            held = [R.zigzag_positions(size, n, r) for r in range(n)]
+            assert sorted(torch.cat(held).tolist()) == list(range(size)), (n, size)
+
+
+def _merges():
+    """Correct merges written three ways: the key's (logaddexp), a running-max one, a sigmoid
+    one."""
+    def running_max(out_a, lse_a, out_b, lse_b):
+        top = torch.maximum(lse_a, lse_b)
+        empty = torch.isneginf(top)
+        top = torch.where(empty, torch.zeros_like(top), top)
+        wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)
+        lse = torch.where(empty, -torch.inf, top + torch.log(wa + wb))
+        total = torch.where(empty, 1.0, wa + wb)
+        ca, cb = (wa / total)[..., None], (wb / total)[..., None]
+        return torch.where(ca == 0, 0.0, ca * out_a) + torch.where(cb == 0, 0.0, cb * out_b), lse
+
+    def sigmoid(out_a, lse_a, out_b, lse_b):
+        lse = torch.logaddexp(lse_a, lse_b)
+        gap = torch.nan_to_num(lse_a - lse_b, nan=0.0)
+        dead_a, dead_b = torch.isneginf(lse_a), torch.isneginf(lse_b)
+        wa = torch.where(dead_a, 0.0, torch.sigmoid(gap))[..., None]
+        wb = torch.where(dead_b | (dead_a & dead_b), 0.0, torch.sigmoid(-gap))[..., None]
+        wa = torch.where((dead_a & dead_b)[..., None], 0.0, wa)
+        return torch.where(wa == 0, 0.0, wa * out_a) + torch.where(wb == 0, 0.0, wb * out_b), lse
+
+    return {"key": key().merge, "running max": running_max, "sigmoid": sigmoid}
+
+
+def test_merge_tolerance_holds_correct_merges_with_room_to_spare():
+    """On the public cases (truth: attention over the concatenated keys) and the hidden ones
+    (truth: the key in float64), float64 and float32, correct merges stray by under a quarter of
+    the check's tolerance (measured: under 1/15 over 300 seeds), and a merge without the running
+    maximum gives NaN near lse = +1000."""
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        for dtype in (torch.float64, torch.float32):
+            for public, case in [(True, c) for c in E.merge_parts(g, dtype)] + \
+                                [(False, c) for c in key().merge_cases(g, dtype)]:
+                a_empty, b_empty = (case["inputs"][i] == -torch.inf for i in (1, 3))
+                rows = ~(a_empty | b_empty)
+                want_out, want_lse = (case["out"], case["lse"]) if public else \
+                    key().merge(*[t.double() for t in case["inputs"]])
+                tol = C._merge_tolerance(dtype, want_lse[rows], want_out[rows])
+                for name, merge in _merges().items():
+                    out, lse = merge(*case["inputs"])
+                    assert out.dtype == dtype and not out.isnan().any(), (name, case["what"])
+                    for got, want, part in ((out, want_out, "out"), (lse, want_lse, "lse")):
+                        stray = (got[rows].double() - want[rows]).abs().max().item()
+                        assert stray <= tol[part] / 4, (name, seed, dtype, case["what"], part)
+    g = torch.Generator().manual_seed(0)
+    out_a, lse_a, out_b, lse_b = E.merge_parts(g, torch.float64)[1]["inputs"]
+    wa, wb = torch.exp(lse_a), torch.exp(lse_b)
+    assert ((wa[..., None] * out_a + wb[..., None] * out_b) / (wa + wb)[..., None]).isnan().all()
 
 
 @pytest.mark.slow
@@ -93,7 +201,8 @@ def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path)
     print(report["stdout"])
     assert_only_these_lose_points(report, BUGS)
     failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
-    assert "NaN" in failed["merge_attention_exact_in_float64"], failed
+    assert "NaN" in failed["merge_attention_matches_attention_over_all_keys"], failed
+    assert failed["merge_attention_hidden_cases"], failed
     assert "zigzag_shard (chunk r, then chunk 2n-1-r" in failed["zigzag_shard_and_unshard"]
     assert "train_cp(mode='ring')" in failed["train_cp_ring_matches_one_process_training"]
 

@@ -2,12 +2,15 @@
 
 Graded: ``merge_attention`` (in the sandbox's process), ``zigzag_shard``/``zigzag_unshard``,
 ``ring_attention``, ``ulysses_attention`` and ``train_cp`` (their contracts are in the
-notebook). Each of the last four runs once on 4 processes, where every rank tries it on each
-group of :data:`.ranks.GROUPS` it belongs to (n = 4, 3 without global rank 0, 2, 1); all of the
-function's checks judge that one run (:func:`_run_of`). The grader computes the truth itself
-(:mod:`.expected`): full attention on the whole float64 sequence with its gradients, the
-layouts with its own code, one process training on the whole sequence. Communication and
-matmuls are counted by the ranks' harness, and judged only for right results. Points: spec.py.
+notebook). ``merge_attention`` is judged publicly against softmax attention over the
+concatenated keys of its two parts (torch's own ops, float64) and, with the instructor's answer
+key, on hidden cases against the key's merge. Each of the last four runs once on 4 processes,
+where every rank tries it on each group of :data:`.ranks.GROUPS` it belongs to (n = 4, 3
+without global rank 0, 2, 1); all of the function's checks judge that one run
+(:func:`_run_of`). The grader computes the truth itself (:mod:`.expected`): full attention on
+the whole float64 sequence with its gradients, one process training on the whole sequence; the
+zig-zag layouts are values (``public_cases.json``). Communication and matmuls are counted by
+the ranks' harness, and judged only for right results. Points: spec.py.
 """
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ import math
 
 import torch
 
-from autograder.checking.expect import (assert_close, float32_tolerance, float32_tolerance_of_all,
+from autograder.checking.expect import (assert_close, float32_tolerance_of_all,
                                         fresh_generator, sequence, shared_rank_replies, tensor)
+from autograder.keys import answer_key
 
 from . import expected as E
 from . import ranks as R
@@ -27,6 +31,7 @@ graded = SPEC.graded
 EPS = torch.finfo(torch.float64).eps
 #: float64 against float64 where only the order of the additions differs (training)
 TIGHT = dict(rtol=1e-10, atol=1e-12)
+INF = float("inf")
 
 
 def _tol64(reference: torch.Tensor) -> dict:
@@ -62,64 +67,76 @@ def _close(desc, want, what, seed, **tol):
 
 # ---------------------------------------------------------------------------- merge_attention
 
-def _merge_results(student, dtype):
+def _merge_results(student, label, make_cases):
+    """``(seed, cases, replies)``: ``merge_attention`` on the cases ``make_cases(g, dtype)``
+    makes from a fresh generator, float64 then float32, in one sandbox call (cached per label)."""
     def run():
         g, seed = fresh_generator()
-        cases = E.merge_cases(g, dtype)
+        cases = [case for dtype in (torch.float64, torch.float32) for case in make_cases(g, dtype)]
         return seed, cases, student.call(probe_merge, cases)
-    seed, cases, replies = student.shared(f"merge {dtype}", run)
+    seed, cases, replies = student.shared(f"merge {label}", run)
     assert isinstance(replies, list) and len(replies) == len(cases), "the reply was tampered with"
     return seed, cases, replies
 
 
-def _judge_merge(student, dtype):
-    seed, cases, replies = _merge_results(student, dtype)
+def _merge_tolerance(dtype, lse, out) -> dict:
+    """16 roundings of ``dtype`` of max(1, |lse|), and of max(1, |lse|) * max(1, |out|) for
+    out (over the rows with keys): a merge turns an absolute rounding of an lse (relative to
+    |lse|; float32 inputs are rounded values) into a relative error of its weights, so that
+    bounds what correct code strays by (measured: under 1/15 of it over 300 seeds)."""
+    eps = torch.finfo(dtype).eps
+    scale = max(1.0, lse.abs().max().item()) if lse.numel() else 1.0
+    span = max(1.0, out.abs().max().item()) if out.numel() else 1.0
+    return {"lse": 16 * eps * scale, "out": 16 * eps * scale * span}
+
+
+def _judge_merge(student, label, make_cases, truth_of):
+    """Every case of one merge run: dtypes, shapes, no NaN, inputs unchanged, the rows masked in
+    one part or both exactly (the contract), the others against ``truth_of(case)``."""
+    seed, cases, replies = _merge_results(student, label, make_cases)
     for case, reply in zip(cases, replies):
+        dtype = case["inputs"][0].dtype
         what = f"merge_attention({str(dtype).removeprefix('torch.')}, {case['what']})"
         assert reply["unchanged"] is True, f"{what} modified its inputs in place"
         out_desc, lse_desc = sequence(reply["result"], f"{what}'s result", 2)
         out = tensor(out_desc, f"{what}'s out")["value"]
         lse = tensor(lse_desc, f"{what}'s lse")["value"]
-        want_out, want_lse = E.merge(*[t.double() for t in case["inputs"]])
-        for got, want, name in ((out, want_out, "out"), (lse, want_lse, "lse")):
+        for got, want, name in ((out, case["inputs"][0], "out"), (lse, case["inputs"][1], "lse")):
             assert got.shape == want.shape and got.dtype == dtype, (
                 f"{what}: {name} has shape {tuple(got.shape)} and dtype {got.dtype}, expected "
                 f"{tuple(want.shape)} and {dtype} (inputs from seed {seed})")
             assert not got.isnan().any(), f"{what}: {name} holds NaN (inputs from seed {seed})"
-        a_empty, b_empty = (case["inputs"][i] == -E.INF for i in (1, 3))
+        a_empty, b_empty = (case["inputs"][i] == -INF for i in (1, 3))
         for rows, part, name in ((b_empty & ~a_empty, 0, "B"), (a_empty & ~b_empty, 2, "A")):
-            for got, want, label in ((out[rows], case["inputs"][part][rows], "out"),
-                                     (lse[rows], case["inputs"][part + 1][rows], "lse")):
+            for got, want, label_ in ((out[rows], case["inputs"][part][rows], "out"),
+                                      (lse[rows], case["inputs"][part + 1][rows], "lse")):
                 assert torch.equal(got, want), (
-                    f"{what}: in the rows masked in part {name} only, {label} should equal the "
+                    f"{what}: in the rows masked in part {name} only, {label_} should equal the "
                     f"other part's exactly (inputs from seed {seed})")
         both = a_empty & b_empty
-        assert (out[both] == 0).all() and (lse[both] == -E.INF).all(), (
+        assert (out[both] == 0).all() and (lse[both] == -INF).all(), (
             f"{what}: rows masked in both parts should give out = 0 and lse = -inf")
         rows = ~(a_empty | b_empty)
-        if dtype == torch.float64:
-            scale = max(1.0, want_lse[rows].abs().max().item())
-            _close(lse_desc, want_lse, f"{what}: lse", seed, rtol=0, atol=64 * EPS * scale)
-            span = max(1.0, want_out[rows].abs().max().item())
-            _close(out_desc, want_out, f"{what}: out", seed, rtol=0,
-                   atol=64 * EPS * scale * span)
-        else:
-            ref32 = E.merge(*case["inputs"])
-            for got, want, mine, name in ((out, want_out, ref32[0], "out"),
-                                          (lse, want_lse, ref32[1], "lse")):
-                tol = float32_tolerance(want[rows], mine[rows])
-                assert_close(got[rows], want[rows].float(), f"{what}: {name} (rows with keys "
-                             "in either part)", rtol=0, atol=tol, seed=seed)
+        want_out, want_lse, against = truth_of(case)
+        tol = _merge_tolerance(dtype, want_lse[rows], want_out[rows])
+        for got, want, name in ((lse, want_lse, "lse"), (out, want_out, "out")):
+            assert_close(got[rows].double(), want[rows], f"{what}: {name} (rows with keys in "
+                         f"either part) {against}", rtol=0, atol=tol[name], seed=seed)
 
 
 @graded
-def test_merge_attention_exact_in_float64(student):
-    _judge_merge(student, torch.float64)
+def test_merge_attention_matches_attention_over_all_keys(student):
+    _judge_merge(student, "public", E.merge_parts, lambda case: (
+        case["out"], case["lse"], "vs softmax attention and logsumexp over the concatenated "
+        "keys, float64"))
 
 
 @graded
-def test_merge_attention_float32(student):
-    _judge_merge(student, torch.float32)
+def test_merge_attention_hidden_cases(student):
+    key = answer_key(SPEC.assignment)
+    assert key is not None, "the answer key is needed (the harness skips this check without it)"
+    _judge_merge(student, "hidden", key.merge_cases, lambda case: (
+        *key.merge(*[t.double() for t in case["inputs"]]), "vs the answer key in float64"))
 
 
 # ---------------------------------------------------------------------------- zig-zag
@@ -137,8 +154,8 @@ def test_zigzag_shard_and_unshard(student):
         assert "shard_error" not in case, f"{what}: zigzag_shard raised {case['shard_error']}"
         assert case["shard_traffic"] == [], (
             f"{what}: zigzag_shard communicated ({case['shard_traffic']}); it needs none")
-        _close(case["shard"], mine, f"{what}: zigzag_shard (chunk r, then chunk 2n-1-r of "
-               "x.chunk(2n, dim))", seed, **exact)
+        _close(case["shard"], mine, f"{what}: zigzag_shard (chunk r, then chunk 2n-1-r, of "
+               "2n equal chunks along dim)", seed, **exact)
         assert case["shard_unchanged"], f"{what}: zigzag_shard modified x in place"
         grad = torch.zeros_like(x).index_copy(dim % x.dim(), R.zigzag_positions(
             x.size(dim), n, r), upstream)

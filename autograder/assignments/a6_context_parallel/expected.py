@@ -1,10 +1,13 @@
 """Assignment 6's expectations, computed in the grader from the released text (not from the
-student's code): the merge of two partial attentions in float64, full attention on the whole
+student's code) with torch's own ops in float64: attention over the concatenated keys of two
+parts (the truth of the public merge check, and its inputs), full attention on the whole
 sequence with its gradients, and one process training TinyCausalLM (the release's set-up cell)
-on the whole sequence. Also the inputs of the merge checks."""
+on the whole sequence. No graded function is re-implemented here: the hidden merge cases and
+their reference are in the instructor's answer key."""
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -18,50 +21,54 @@ INF = float("inf")
 
 # ---------------------------------------------------------------------------- merge
 
-def merge(out_a, lse_a, out_b, lse_b):
-    """(out, lse) over A and B, in the inputs' dtype: the log of the summed exponentials from
-    torch.logaddexp (exact where one part is empty), each part weighted by exp(lse_x - lse),
-    a part with no key contributing exactly nothing."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    anything = lse > -INF
-    out = torch.zeros_like(out_a)
-    for part_out, part_lse in ((out_a, lse_a), (out_b, lse_b)):
-        present = anything & (part_lse > -INF)
-        weight = torch.exp(torch.where(present, part_lse - lse, torch.zeros_like(lse)))
-        out = out + torch.where(present[..., None], weight[..., None] * part_out, 0.0)
-    return out, lse
+#: The public merge cases: (batch, heads, queries, head_dim) and the keys of parts A and B.
+MERGE_SHAPE, KEYS_A, KEYS_B = (2, 3, 7, 4), 5, 3
 
 
-#: Shapes of the merge cases: (batch, heads, seq, head_dim).
-MERGE_SHAPE = (2, 3, 7, 4)
+def attention_over(scores: torch.Tensor, v: torch.Tensor):
+    """``(out, lse)`` of softmax attention with these (scaled, biased) scores, by torch's own
+    ops: ``softmax(scores) @ v`` and ``logsumexp(scores)`` (a row of -inf scores gives NaN and
+    -inf, as a fully masked row does)."""
+    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
 
 
-def merge_cases(g: torch.Generator, dtype) -> list[dict]:
-    """Partial attentions with lse around 0, near +1000 and near -1000, rows masked in one part
-    (its out row NaN or inf) or both, some given as strided views: ``{"inputs", "strided",
-    "what"}``. Rows 0-2 of every head of the masked case: A masked, B masked, both masked."""
+def merge_parts(g: torch.Generator, dtype) -> list[dict]:
+    """Public merge cases: queries against keys A (5) and B (3), each part's ``(out, lse)`` from
+    torch's ops on its own keys, and the truth from the same ops over the concatenated keys, in
+    float64: ``{"inputs": [out_a, lse_a, out_b, lse_b] in dtype, "out", "lse" (float64 truth),
+    "strided", "what"}``. A per-row offset of each part's scores (an additive score bias, as
+    ALiBi or an attention mask of floats) moves the lse to around 0, near +1000 and near -1000;
+    -inf masks rows: rows 0-2 of every head of the masked case are masked in A, in B, in both
+    (a masked part's out row comes out NaN, or is set to inf). The float64 inputs to the ops
+    are values of ``dtype``, so the truth is that of what a float32 run starts from too."""
     b, h, s, d = MERGE_SHAPE
 
-    def parts(centre, spread):
-        outs = [torch.randn(b, h, s, d, generator=g, dtype=torch.float64) for _ in range(2)]
-        lses = [centre + spread * torch.randn(b, h, s, generator=g, dtype=torch.float64)
-                for _ in range(2)]
-        return [outs[0], lses[0], outs[1], lses[1]]
+    def case(centre, spread, masked=False):
+        q = torch.randn(b, h, s, d, generator=g, dtype=torch.float64)
+        k = torch.randn(b, h, KEYS_A + KEYS_B, d, generator=g, dtype=torch.float64)
+        v = torch.randn(b, h, KEYS_A + KEYS_B, d, generator=g, dtype=torch.float64)
+        bias = centre + spread * torch.randn(b, h, s, 2, generator=g, dtype=torch.float64)
+        q, k, v, bias = (t.to(dtype).double() for t in (q, k, v, bias))
+        if masked:
+            bias[:, :, 0, 0] = bias[:, :, 1, 1] = bias[:, :, 2, 0] = bias[:, :, 2, 1] = -INF
+        per_key = torch.cat([bias[..., :1].expand(-1, -1, -1, KEYS_A),
+                             bias[..., 1:].expand(-1, -1, -1, KEYS_B)], -1)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d) + per_key
+        out_a, lse_a = attention_over(scores[..., :KEYS_A], v[:, :, :KEYS_A])
+        out_b, lse_b = attention_over(scores[..., KEYS_A:], v[:, :, KEYS_A:])
+        if masked:
+            out_b[:, :, 1] = INF                       # anything may stand in a masked row
+        out, lse = attention_over(scores, v)
+        return [out_a, lse_a, out_b, lse_b], out, lse
 
-    cases = [(parts(0.0, 3.0), False, "lse around 0"),
-             (parts(1000.0, 4.0), True, "lse near +1000 (strided views)"),
-             (parts(-1000.0, 4.0), False, "lse near -1000")]
-    masked = parts(2.0, 3.0)
-    out_a, lse_a, out_b, lse_b = masked
-    lse_a[:, :, 0] = lse_b[:, :, 1] = lse_a[:, :, 2] = lse_b[:, :, 2] = -INF
-    out_a[:, :, 0] = float("nan")
-    out_b[:, :, 1] = INF
-    out_a[:, :, 2, ::2], out_a[:, :, 2, 1::2] = float("nan"), -INF
-    out_b[:, :, 2] = float("nan")
-    cases.append((masked, True, "rows masked in one part (their out NaN or inf) and in both "
-                                "(strided views)"))
-    return [{"inputs": [t.to(dtype) for t in inputs], "strided": strided, "what": what}
-            for inputs, strided, what in cases]
+    cases = [(case(0.0, 3.0), False, "lse around 0"),
+             (case(1000.0, 4.0), True, "lse near +1000 (strided views)"),
+             (case(-1000.0, 4.0), False, "lse near -1000"),
+             (case(2.0, 3.0, masked=True), True, "rows masked in one part (their out NaN or "
+                                                 "inf) and in both (strided views)")]
+    return [{"inputs": [t.to(dtype) for t in inputs], "out": out, "lse": lse,
+             "strided": strided, "what": what}
+            for (inputs, out, lse), strided, what in cases]
 
 
 # ---------------------------------------------------------------------------- attention
