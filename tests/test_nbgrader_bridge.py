@@ -90,3 +90,21 @@ def test_self_check_sends_cached_helpers_and_torch_ops(offline_env, monkeypatch)
     outputs = "".join(o.get("text", "") for c in solved.cells if c.source.startswith("check(")
                       for o in c.outputs)
     assert "copy_params: all 2 check(s) passed" in outputs
+
+
+def test_self_check_without_the_key_says_what_the_instructor_checks(offline_env, monkeypatch):
+    """In a student's copy (no answer key; AUTOGRADER_ANSWER_KEY=absent stands in for it) the
+    reference's per_rank_memory passes its public checks, and check() says how many points
+    were checked here and how many more the instructor's grading checks, without failing."""
+    source = REPO / "solutions" / "a8_composition" / "composition.ipynb"
+    nb = nbformat.read(source, as_version=4)
+    wanted = {"setup", "per_rank_memory", "check_per_rank_memory"}
+    nb.cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") in wanted]
+    monkeypatch.setenv("AUTOGRADER_ANSWER_KEY", "absent")
+    solved = execute(nb, offline_env, monkeypatch)
+    assert not errors(solved), errors(solved)
+    outputs = "".join(o.get("text", "") for c in solved.cells if c.source.startswith("check(")
+                      for o in c.outputs)
+    assert "SKIP" in outputs and "checked when your instructor grades" in outputs, outputs
+    assert "more when your instructor grades" in outputs, outputs
+    assert "per_rank_memory: all" in outputs
