@@ -115,20 +115,24 @@ def llama_params(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, 
     return layers * per_layer + hidden + 2 * vocab * hidden
 
 
-def state_bytes(n_params: float, dp: int = 1, zero: int = 0, precision: Precision = MIXED) -> dict:
-    """Bytes of weights, gradients and optimizer state one rank holds for `n_params` parameters
-    (its part of the model after tensor and pipeline splits).
+def model_state_memory(model: Model, layout: Layout, precision: Precision = MIXED) -> dict:
+    """Bytes of weights, gradients and optimizer state on one GPU of `layout`, by component
+    (floats: an average over the GPUs, not a count of any one rank's elements).
 
-    [ZeRO] Figure 1, with Psi parameters, Nd = dp ranks, K optimizer bytes per parameter:
-    stage 0 (plain data parallel) (2 + 2 + K) Psi; stage 1 shards the optimizer state,
-    2 Psi + 2 Psi + K Psi / Nd; stage 2 the gradients too, 2 Psi + (2 + K) Psi / Nd; stage 3
-    the weights too, (2 + 2 + K) Psi / Nd. `precision` replaces the 2, 2 and K.
+    The model's parameters are spread evenly over tp x pp ([Playbook], embeddings included),
+    Psi = model.n_params / (tp x pp) per GPU, then ZeRO shards over the Nd = dp ranks
+    ([ZeRO] Figure 1, K optimizer bytes per parameter): stage 0 (plain data parallel)
+    (2 + 2 + K) Psi; stage 1 shards the optimizer state, 2 Psi + 2 Psi + K Psi / Nd; stage 2
+    the gradients too, 2 Psi + (2 + K) Psi / Nd; stage 3 the weights too, (2 + 2 + K) Psi / Nd.
+    `precision` replaces the 2, 2 and K.
     """
+    zero, dp = layout.zero, layout.dp
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, not {zero}")
-    return {"params": n_params * precision.param / (dp if zero >= 3 else 1),
-            "grads": n_params * precision.grad / (dp if zero >= 2 else 1),
-            "optimizer": n_params * precision.optimizer / (dp if zero >= 1 else 1)}
+    psi = model.n_params / (layout.tp * layout.pp)
+    return {"params": psi * precision.param / (dp if zero >= 3 else 1),
+            "grads": psi * precision.grad / (dp if zero >= 2 else 1),
+            "optimizer": psi * precision.optimizer / (dp if zero >= 1 else 1)}
 
 
 def activation_bytes(seq: int, batch: int, hidden: int, heads: int, layers: float = 1, *, tp: int = 1,
@@ -172,11 +176,11 @@ def first_stage_in_flight(pp: int, micro_batches: int, schedule: str = "1f1b") -
 
 
 def estimate_memory(model: Model, layout: Layout, precision: Precision = MIXED) -> dict:
-    """Bytes per GPU of the first pipeline stage (the fullest under 1F1B): model states of
-    n_params / (tp x pp) parameters ([Playbook]: spread evenly, embeddings included) sharded by
-    ZeRO over dp, plus the activations of L / pp layers times the micro-batches in flight; an
-    interleaved schedule keeps 1 + (p - 1) / (p m) times more ([Korthikanti] 4.2.3)."""
-    states = state_bytes(model.n_params / (layout.tp * layout.pp), layout.dp, layout.zero, precision)
+    """Bytes per GPU of the first pipeline stage (the fullest under 1F1B): model states
+    (`model_state_memory`: n_params / (tp x pp) parameters sharded by ZeRO over dp), plus the
+    activations of L / pp layers times the micro-batches in flight; an interleaved schedule
+    keeps 1 + (p - 1) / (p m) times more ([Korthikanti] 4.2.3)."""
+    states = model_state_memory(model, layout, precision)
     m = layout.micro_batches
     in_flight = first_stage_in_flight(layout.pp, m, layout.schedule)
     if layout.interleave > 1:
@@ -206,7 +210,7 @@ def allgather_seconds(nbytes: float, n: int, bandwidth: float) -> float:
     return (n - 1) / n * nbytes / bandwidth
 
 
-def bubble_fraction(pp: int, micro_batches: int, interleave: int = 1) -> float:
+def pipeline_bubble(pp: int, micro_batches: int, interleave: int = 1) -> float:
     """Idle time of a pipeline flush relative to the ideal compute time: (p - 1) / m for GPipe and
     1F1B, (p - 1) / (v m) with v interleaved stages per rank ([Narayanan] 2.2.1 and 2.2.2)."""
     return (pp - 1) / (interleave * micro_batches)
@@ -219,7 +223,7 @@ def estimate_step(model: Model, layout: Layout, hardware: Hardware, *, tp_bandwi
 
     compute  training_flops / (GPUs x peak x efficiency): `efficiency` is the fraction of peak
              the kernels reach, an assumption to state;
-    bubble   compute x bubble_fraction(pp, m, interleave);
+    bubble   compute x pipeline_bubble(pp, m, interleave);
     tp       per layer and micro-batch, 2 all-reduces forward and 2 backward of the (b, s, h)
              activation ([Narayanan] 3; sequence parallelism moves the same bytes), 2 more with
              full recomputation; on the critical path;
@@ -233,7 +237,7 @@ def estimate_step(model: Model, layout: Layout, hardware: Hardware, *, tp_bandwi
     m, world = layout.micro_batches, layout.gpus
     compute = training_flops(model.n_params, layout.global_batch * model.seq, layout.recompute) / (
         world * hardware.flops * efficiency)
-    bubble = compute * bubble_fraction(layout.pp, m, layout.interleave) if layout.pp > 1 else 0.0
+    bubble = compute * pipeline_bubble(layout.pp, m, layout.interleave) if layout.pp > 1 else 0.0
     activation = layout.micro_batch * model.seq * model.hidden * precision.activation
     per_layer = 6 if layout.recompute == "full" else 4
     tp = 0.0

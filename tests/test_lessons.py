@@ -87,7 +87,8 @@ def test_lesson_has_goals_time_exercises_and_reading(path):
 
 
 def test_no_lesson_states_the_bubble_formula_that_a3_asks_for():
-    """Assignment 3 asks for the bubble fraction: no lesson may state it."""
+    """Assignment 3 has students measure the bubble on their own schedules (Part 5) and find
+    its closed form from those measurements (Part 8): no lesson may state it."""
     for path in LESSONS:
         flat = re.sub(r"[\s$]", "", "\n".join(c.source for c in nbformat.read(path, as_version=4).cells))
         for formula in ("(p-1)/(m+p-1)", r"\frac{p-1}{m+p-1}", "m/(m+p-1)", r"\frac{m}{m+p-1}"):

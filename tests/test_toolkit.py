@@ -207,9 +207,17 @@ def test_planning_reproduces_published_figures():
     for precision in (planning.MIXED, planning.FP32):
         assert precision.param + precision.grad + precision.optimizer == 16
     # ZeRO paper, Figure 1: 7.5 B parameters, K = 12, Nd = 64: 120, 31.4, 16.6 and 1.9 GB per GPU
-    totals = [sum(planning.state_bytes(7.5e9, dp=64, zero=z).values()) / 1e9 for z in range(4)]
+    # (the model's shape plays no part in its states: one layer of width 1 stands in for it)
+    paper = planning.Model(7.5e9, layers=1, hidden=1, heads=1, seq=1)
+    totals = [sum(planning.model_state_memory(paper, planning.Layout(dp=64, zero=z)).values()) / 1e9
+              for z in range(4)]
     assert [round(t, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]
-    assert planning.state_bytes(7.5e9, dp=64, zero=3)["params"] == 7.5e9 * 2 / 64
+    assert planning.model_state_memory(paper, planning.Layout(dp=64, zero=3))["params"] == 7.5e9 * 2 / 64
+    # tensor and pipeline parallelism spread the parameters evenly before ZeRO divides (Playbook)
+    spread = planning.model_state_memory(paper, planning.Layout(dp=4, tp=2, pp=3, zero=1), planning.FP32)
+    assert spread == {"params": 7.5e9 / 6 * 4, "grads": 7.5e9 / 6 * 4, "optimizer": 7.5e9 / 6 * 8 / 4}
+    with pytest.raises(ValueError):
+        planning.model_state_memory(paper, planning.Layout(zero=4))
     # Korthikanti et al., Table 2, for GPT-3's shape (s 2048, h 12288, a 96: 5as/h = 80), t = 8
     s, h, a, t = 2048, 12288, 96, 8
     sbh = s * h
@@ -227,7 +235,7 @@ def test_planning_reproduces_published_figures():
     assert act(bytes_per_value=4) == 2 * act()                         # the fp32 runs: twice the bytes
     assert planning.activation_bytes(s, 2, h, a, layers=3) == 6 * act()
     # the bubble: (p - 1) / m, and / v interleaved (Narayanan et al. 2021, 2.2.1-2.2.2)
-    assert planning.bubble_fraction(4, 8) == 3 / 8 and planning.bubble_fraction(4, 8, interleave=2) == 3 / 16
+    assert planning.pipeline_bubble(4, 8) == 3 / 8 and planning.pipeline_bubble(4, 8, interleave=2) == 3 / 16
     # in flight on the first stage: GPipe m, 1F1B p (so L / p layers x p = L layers' worth)
     assert planning.first_stage_in_flight(4, 8, "gpipe") == 8
     assert planning.first_stage_in_flight(4, 8) == 4 and planning.first_stage_in_flight(4, 2) == 2

@@ -125,11 +125,24 @@ def one_f_one_b_schedule(num_stages, num_microbatches):
     return steps
 ''',
     "bubble_fraction": '''\
-def bubble_fraction(num_stages, num_microbatches):
-    """The idle fraction of a shortest pipeline schedule with unit-time steps."""
-    p, m = num_stages, num_microbatches
-    # Each stage is busy 2m of the 2(m + p - 1) steps: idle 2(p - 1) of them.
-    return float(2 * (p - 1)) / float(2 * (m + p - 1))
+def bubble_fraction(schedule):
+    """Idle slots / (stages x makespan); the makespan ends with the last step where a stage
+    works."""
+    if len(schedule) == 0:
+        raise ValueError("a schedule without time steps")
+    widths = {len(step) for step in schedule}
+    if len(widths) != 1 or 0 in widths:
+        raise ValueError("every step needs the same, non-zero number of entries")
+    p = widths.pop()
+    makespan = len(schedule)
+    while makespan and all(entry is None for entry in schedule[makespan - 1]):
+        makespan -= 1          # idle steps at the end are not part of the pipeline's time
+    if makespan == 0:
+        raise ValueError("no stage ever works")
+    # per stage, the share of its makespan it is idle; the schedule's is their mean
+    per_stage = [sum(schedule[t][s] is None for t in range(makespan)) / makespan
+                 for s in range(p)]
+    return sum(per_stage) / p
 ''',
     "pipeline_train_step": '''\
 def pipeline_train_step(stage, X, y, num_microbatches, lr):

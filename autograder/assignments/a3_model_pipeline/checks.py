@@ -8,7 +8,8 @@ on CPU. Each ``test_*`` runs here, makes fresh random inputs, has a probe (``pro
 the student's function in the sandbox, and judges what came back against what it computes
 itself: the unsplit model in float64 (tolerances from a float32 run of the same computation,
 :func:`~autograder.checking.expect.assert_close_float32`), a brute-force balanced split, a
-schedule validator (``schedules.py``), one-process SGD. Where the reference solution is at hand
+schedule validator (``schedules.py``), schedules whose idle slots are known from how they were
+written or built (``schedules.py``), one-process SGD. Where the reference solution is at hand
 the other graded functions are the reference's while one is graded (``spec.py``: helpers), so a
 bug costs the points of its own function only. Points: ``spec.py``.
 """
@@ -35,10 +36,12 @@ from .expected import (check_returned, check_stages, check_timed_run, expected_f
                        expected_gpu_rows, expected_stage_outputs, expected_training, stages_of)
 from .models import (balanced_sizes, bounds_of, build_model, layer_counts, model_text, rand_int,
                      random_mlp_spec)
-from .probes import (GPU_MICROBATCHES, GPU_ROW_STEP, probe_forward, probe_gpu_forward,
-                     probe_pairs, probe_pipeline_train, probe_split, probe_split_too_few_layers)
+from .probes import (GPU_MICROBATCHES, GPU_ROW_STEP, probe_bubble, probe_forward,
+                     probe_gpu_forward, probe_pipeline_train, probe_split,
+                     probe_split_too_few_layers)
 from .ranks import CPU_BATCH, CPU_MICROBATCHES, pipeline_server
-from .schedules import check_stage_calls, peak_activations, schedule_cases, schedules_of
+from .schedules import (INVALID_SCHEDULES, bubble_tables, check_stage_calls, peak_activations,
+                        random_bubble_case, rows_of, schedule_cases, schedules_of)
 from .spec import SPEC
 
 graded = SPEC.graded
@@ -244,22 +247,35 @@ def test_one_f_one_b_schedule_holds_at_most_p_microbatches(student):
 # ---------------------------------------------------------------------------- bubble_fraction
 
 @graded
-def test_bubble_fraction_formula(student):
-    g, _ = fresh_generator()
-    pairs = [(1, 1), (1, 7), (2, 1), (4, 8)] + [(rand_int(g, 2, 16), rand_int(g, 1, 64))
-                                                for _ in range(6)]
-    r = student.call(probe_pairs, "bubble_fraction", pairs, cells_for("bubble_fraction"))
-    assert isinstance(r, list) and len(r) == len(pairs), "the probe's reply was tampered with"
-    for (p, m), desc in zip(pairs, r):
+def test_bubble_fraction_idle_slots_and_invalid_schedules(student):
+    g, seed = fresh_generator()
+    fixed = bubble_tables()
+    cases = fixed + [random_bubble_case(g) for _ in range(8)]
+    r = student.call(probe_bubble, [schedule for _, schedule, _, _ in cases],
+                     [schedule for _, schedule in INVALID_SCHEDULES], cells_for("bubble_fraction"))
+    assert isinstance(r, dict) and len(r.get("values", ())) == len(cases) and len(
+        r.get("errors", ())) == len(INVALID_SCHEDULES), "the probe's reply was tampered with"
+    for i, ((what, schedule, idle, makespan), desc) in enumerate(zip(cases, r["values"])):
+        p = len(schedule[0])
+        call = (f"bubble_fraction(schedule) on {what} (rows per stage: {rows_of(schedule)}"
+                + (f"; seed {seed})" if i >= len(fixed) else ")"))
         got = desc.get("value") if desc.get("kind") == "plain" else None
         kind = {"tensor": "a torch.Tensor", "other": desc.get("type")}.get(desc.get("kind"))
-        assert type(got) in (int, float), \
-            f"bubble_fraction({p}, {m}) should return a Python float, got {kind or repr(got)}"
-        want = (p - 1) / (m + p - 1)
-        # exact but for float64 rounding: any formula on these integers takes at most about
-        # m + p operations, each off by at most one rounding of a value no larger than 1
-        assert abs(got - want) <= (m + p) * 2.0 ** -52, \
-            f"bubble_fraction({p}, {m}) = {got!r}, expected {want!r} = ({p} - 1) / ({m} + {p} - 1)"
+        assert isinstance(got, (int, float)) and not isinstance(got, bool), \
+            f"{call} should return a Python float, got {kind or repr(got)}"
+        want = idle / (p * makespan)
+        # The ratio of two counts, off by float rounding only: however the counts are summed
+        # and divided (per stage, per step, slot by slot), at most p * makespan + p + makespan
+        # roundings of values no larger than 1, each at most 2**-24 even in float32. Any other
+        # ratio of counts of these schedules (p * makespan <= 102, a trailing idle step or a
+        # leading one counted wrong) is at least 1 / 102**2, about 1e-4, away: 15 times more.
+        assert abs(got - want) <= (p * makespan + p + makespan) * 2.0 ** -24, (
+            f"{call} = {got!r}, expected {want!r}: {idle} idle slot(s) / ({p} stage(s) x "
+            f"{makespan} step(s) up to the last one in which a stage works)")
+    for (what, _), error in zip(INVALID_SCHEDULES, r["errors"]):
+        did = "returned" if str(error).startswith("nothing") else f"raised {error}"
+        assert error == "ValueError", \
+            f"bubble_fraction({what}) should raise ValueError, but it {did}"
 
 
 # ---------------------------------------------------------------------------- pipeline_train_step

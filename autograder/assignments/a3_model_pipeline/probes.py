@@ -5,11 +5,13 @@ where the grader sent the reference's cells (``cells``)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 from torch import nn
 
-from autograder.checking.probes import describe, reference_helpers, student_function
+from autograder.checking.probes import (describe, error_of, reference_helpers,
+                                        student_function)
 from autograder.checking.ranks import run_ranks
 
 from .models import wide_mlp, workload
@@ -104,6 +106,16 @@ def probe_pairs(ns, name, pairs, cells):
     """``name(num_stages, num_microbatches)`` for each pair, described."""
     with graded_function(ns, name, cells) as fn:
         return [describe(fn(p, m)) for p, m in pairs]
+
+
+def probe_bubble(ns, schedules, invalid, cells):
+    """``bubble_fraction(schedule)`` for each of ``schedules``, described, and what it did on
+    each of the ``invalid`` ones (:func:`error_of`: ``"ValueError"`` if it raised one). Each
+    call gets its own copy, so one that changes its argument changes nothing for the next."""
+    with graded_function(ns, "bubble_fraction", cells) as fn:
+        values = [describe(fn(copy.deepcopy(s))) for s in schedules]
+        errors = [error_of(lambda s=s: fn(copy.deepcopy(s))) for s in invalid]
+    return {"values": values, "errors": errors}
 
 
 # ---------------------------------------------------------------------------- pipeline_train_step

@@ -3,6 +3,8 @@ validated from first principles) and the order in which a pipelined forward call
 Each failure is an AssertionError with a message the student reads."""
 from __future__ import annotations
 
+import torch
+
 from autograder.checking.expect import sequence
 
 from .models import microbatch_sizes, rand_int
@@ -131,3 +133,84 @@ def schedule_cases(g, fixed, count, *, more_microbatches=False):
         p = rand_int(g, 1, 6)
         pairs.append((p, rand_int(g, p + 1, 3 * p + 2) if more_microbatches else rand_int(g, 1, 12)))
     return pairs
+
+
+# ---------------------------------------------------------------------------- bubble_fraction
+# Schedules the grader hands to bubble_fraction(schedule), each with its idle slots and its
+# makespan known beforehand: the fixed tables below were counted by hand (tests/test_grader_a3.py
+# recounts them), the random ones are built around the number of idle slots they get.
+
+def table(*rows: str) -> list[list]:
+    """A schedule written one row per stage (``"F0 F1 . B0"``, ``.`` idle), as time steps."""
+    cells = [[None if c == "." else (c[0], int(c[1:])) for c in row.split()] for row in rows]
+    assert len({len(r) for r in cells}) == 1, "a table's rows have one entry per time step"
+    return [list(step) for step in zip(*cells)]
+
+
+def rows_of(schedule) -> str:
+    """A schedule as one row per stage, the way :func:`table` reads it (for messages)."""
+    return " / ".join(" ".join("." if e is None else f"{e[0]}{e[1]}" for e in row)
+                      for row in zip(*schedule))
+
+
+#: (what, rows, idle slots within the makespan, makespan in steps)
+BUBBLE_TABLES = (
+    ("gpipe_schedule(2, 2), Part 4's example",
+     ("F0 F1 .  .  B0 B1",
+      ".  F0 F1 B0 B1 ."), 4, 6),
+    ("a GPipe schedule of 4 stages and 3 micro-batches",
+     ("F0 F1 F2 .  .  .  .  .  .  B0 B1 B2",
+      ".  F0 F1 F2 .  .  .  .  B0 B1 B2 .",
+      ".  .  F0 F1 F2 .  .  B0 B1 B2 .  .",
+      ".  .  .  F0 F1 F2 B0 B1 B2 .  .  ."), 24, 12),
+    ("a 1F1B schedule of 3 stages and 5 micro-batches",
+     ("F0 F1 F2 .  .  B0 F3 B1 F4 B2 .  B3 .  B4",
+      ".  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 .  B4 .",
+      ".  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 .  ."), 12, 14),
+    ("a schedule whose last step is idle (not part of its makespan)",
+     ("F0 .  .",
+      ".  F0 ."), 2, 2),
+    ("a schedule with an idle step first and two at the end",
+     (".  F0 .  .  .",
+      ".  .  F0 .  ."), 4, 3),
+    ("one stage, busy at every step",
+     ("F0 F1 B1 B0",), 0, 4),
+    ("an irregular schedule of 3 stages",
+     ("F0 .  F1 B1 .  .",
+      ".  F0 .  .  B0 .",
+      ".  .  .  F1 .  ."), 9, 5),
+)
+
+#: (what, schedule): bubble_fraction raises ValueError on each
+INVALID_SCHEDULES = (
+    ("[] (no time step)", []),
+    ("[[], []] (time steps without a stage)", [[], []]),
+    ("[[('F', 0), None], [('B', 0)]] (steps of 2 and 1 entries)", [[("F", 0), None], [("B", 0)]]),
+    ("[[None, None], [None, None]] (no stage ever works)", [[None, None], [None, None]]),
+)
+
+
+def bubble_tables() -> list[tuple[str, list, int, int]]:
+    """:data:`BUBBLE_TABLES` as (what, schedule, idle slots, makespan)."""
+    return [(what, table(*rows), idle, makespan) for what, rows, idle, makespan in BUBBLE_TABLES]
+
+
+def random_bubble_case(g) -> tuple[str, list, int, int]:
+    """(what, schedule, idle slots, makespan) of a random schedule of 1 to 6 stages, built
+    around its idle count: ``lead`` idle steps, then ``body`` steps in which ``k`` slots are
+    idle and the others run ('F' or 'B', i) (one slot of the last is always busy), then
+    ``trail`` idle steps after the makespan."""
+    p, lead, body, trail = (rand_int(g, 1, 6), rand_int(g, 0, 2), rand_int(g, 1, 12),
+                            rand_int(g, 0, 3))
+    busy_last = (body - 1) * p + rand_int(g, 0, p - 1)       # a slot of the body's last step
+    others = [slot for slot in range(p * body) if slot != busy_last]
+    k = rand_int(g, 0, len(others))
+    idle = {others[j] for j in torch.randperm(len(others), generator=g)[:k].tolist()}
+    schedule = [[None] * p for _ in range(lead)]
+    for t in range(body):
+        schedule.append([None if t * p + s in idle
+                         else ("FB"[rand_int(g, 0, 1)], rand_int(g, 0, 9)) for s in range(p)])
+    schedule += [[None] * p for _ in range(trail)]
+    what = (f"a random schedule of {p} stage(s): {lead} idle step(s), {body} step(s) with {k} "
+            f"idle slot(s) up to the last busy one, then {trail} idle step(s)")
+    return what, schedule, k + lead * p, lead + body

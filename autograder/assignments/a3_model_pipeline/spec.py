@@ -11,7 +11,7 @@ _PARAMS = {
     "pipelined_forward": ("stages", "x", "num_microbatches"),
     "gpipe_schedule": ("num_stages", "num_microbatches"),
     "one_f_one_b_schedule": ("num_stages", "num_microbatches"),
-    "bubble_fraction": ("num_stages", "num_microbatches"),
+    "bubble_fraction": ("schedule",),
     "pipeline_train_step": ("stage", "X", "y", "num_microbatches", "lr"),
 }
 
@@ -32,7 +32,7 @@ SPEC = Spec(
         Check("gpipe_schedule_all_forwards_first", "gpipe_schedule", 1),
         Check("one_f_one_b_schedule_valid_and_shortest", "one_f_one_b_schedule", 1),
         Check("one_f_one_b_schedule_holds_at_most_p_microbatches", "one_f_one_b_schedule", 1),
-        Check("bubble_fraction_formula", "bubble_fraction", 1),
+        Check("bubble_fraction_idle_slots_and_invalid_schedules", "bubble_fraction", 1),
         Check("pipeline_train_step_two_ranks_match_one_process_sgd", "pipeline_train_step", 2,
               timeout=120),
         Check("pipeline_train_step_three_ranks_and_tiny_batches", "pipeline_train_step", 1,
