@@ -7,15 +7,25 @@ expert_capacity (keep_mask), MoELayer, ExpertParallelMoE and train_ep; a second 
 those two) holds the second bug of ExpertParallelMoE and of train_ep. Not exchanging the counts
 makes gloo kill a rank (SIGABRT): the failure must say so, not hang.
 
-Tier: both: reference full marks and stub zero are quick (one grading each); planted bugs are
-full.
+Without the answer key (``AUTOGRADER_ANSWER_KEY=absent``, the student's view) the reference
+earns every public point and the hidden checks are reserved; the public cases' JSON is the key's
+:func:`public_cases`, never drifting.
+
+Tier: both: reference full marks, without the key, and stub zero are quick (one grading each);
+planted bugs are full.
 """
 from __future__ import annotations
+
+import json
+import runpy
 
 import pytest
 
 from conftest import (REPO, assert_grades_full_marks_within, assert_only_these_lose_points,
                       assert_stubs_score_zero, grade, planted_copy, points_by_function)
+
+from autograder.assignments.a7_expert_parallel.spec import SPEC
+from autograder.keys import RESERVED, WITHOUT_KEY_ENV, is_reserved, key_path
 
 SOURCE = REPO / "solutions" / "a7_expert_parallel" / "expert_parallel.ipynb"
 RELEASE = REPO / "assignments" / "a7_expert_parallel" / "expert_parallel.ipynb"
@@ -71,6 +81,37 @@ def test_reference_solution_scores_full_marks(offline_env):
 
 
 @pytest.mark.slow
+def test_without_the_key_the_reference_earns_every_public_point(offline_env):
+    """The student's view: every public check passes, every hidden one is reserved (SKIP with
+    RESERVED, no points either way), and every function has at least one public check."""
+    report = grade(SOURCE, "--speed", "skip", env={**offline_env, WITHOUT_KEY_ENV: "absent"})
+    print(report["stdout"])
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    hidden = {c.name for c in SPEC.checks if c.hidden}
+    results = {r["name"]: r for r in report["results"]}
+    assert set(results) == {c.name for c in SPEC.checks}
+    for name, r in results.items():
+        if name in hidden:
+            assert is_reserved(r) and r["message"] == RESERVED and r["points"] == 0, r
+        else:
+            assert r["status"] == "passed" and r["points"] == r["max_points"], r
+    assert report["score"] == SPEC.public_points() == 12
+    public = {c.function for c in SPEC.checks if not c.hidden}
+    assert public == {c.function for c in SPEC.checks}  # keep_mask is graded with expert_capacity
+    assert "6 more when your instructor grades" in report["stdout"]
+
+
+def test_public_cases_json_is_the_keys():
+    """``public_cases.json`` holds exactly what the key's ``public_cases()`` returns."""
+    path = REPO / "autograder" / "assignments" / "a7_expert_parallel" / "public_cases.json"
+    key = runpy.run_path(str(key_path("a7_expert_parallel")))
+    assert json.loads(path.read_text()) == key["public_cases"]()
+    hidden = {tuple(c) for c in key["HIDDEN_CAPACITY"]}
+    public = {tuple(c["args"]) for c in json.loads(path.read_text())["expert_capacity"]}
+    assert not hidden & public, "a hidden case in the public JSON"
+
+
+@pytest.mark.slow
 def test_released_stubs_score_zero_with_readable_messages(offline_env):
     report = grade(RELEASE, "--speed", "skip", env=offline_env)
     assert_stubs_score_zero(report)
@@ -85,11 +126,12 @@ def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path)
     print(report["stdout"])
     assert_only_these_lose_points(report, BUGS)
     failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
-    assert "ties to the lower index" not in failed["route_values_ties_and_value_error"]
-    assert "weights" in failed["route_values_ties_and_value_error"], failed
-    assert "first choices in token order" in failed["keep_mask_hand_made_cases"], failed
-    assert "aux" in failed["MoELayer_outputs_with_and_without_drops"], failed
-    assert "exchange the counts" in failed["ExpertParallelMoE_forward_equals_the_dense_layer"]
+    route = failed["route_fixed_cases_invariants_and_value_error"]
+    assert "ties to the lower index" not in route and "weights" in route, failed
+    assert "first choices in token order" in failed["keep_mask_fixed_cases_and_the_fill_order"]
+    assert "aux" in failed["MoELayer_outputs_against_a_per_token_loop"], failed
+    assert "aux" in failed["MoELayer_against_the_answer_key"], failed
+    assert "exchange the counts" in failed["ExpertParallelMoE_forward_against_a_per_token_loop"]
     assert "train_ep" in failed["train_ep_state_matches_one_process_training"], failed
 
 
@@ -105,4 +147,5 @@ def test_second_bugs_of_expert_parallelism_and_of_training(offline_env, tmp_path
     assert all(points == 0 for points in points_by_function(report).values()), report["stdout"]
     assert all(r["status"] == "failed" and r["message"] for r in report["results"])
     failed = {r["name"]: r["message"] for r in report["results"]}
-    assert "y (vs the dense layer" in failed["ExpertParallelMoE_forward_equals_the_dense_layer"]
+    assert "y (vs a per-token loop" in failed["ExpertParallelMoE_forward_against_a_per_token_loop"]
+    assert "y (vs the answer key" in failed["ExpertParallelMoE_against_the_answer_key"]

@@ -3,91 +3,113 @@
 Graded: ``route``, ``expert_capacity`` with ``keep_mask`` (one cell), ``load_balancing_loss``,
 ``MoELayer`` (in the sandbox's process), ``ExpertParallelMoE`` and ``train_ep``: each of the last
 two runs once on 4 processes, each rank on every group of :data:`.ranks.GROUPS` it is in
-(n = 4, 2, 1), one run judged by all of the function's checks (:func:`_run_of`). The truth is
-the grader's own (:mod:`.expected`, float64). Communication is counted by the ranks' harness.
-A function's later checks count only when its values are right. Points: spec.py.
+(n = 4, 2, 1), one run judged by all of the function's checks (:func:`.judging._run_of`; the
+judges of the last three functions are in :mod:`.judging`). Communication is counted by the
+ranks' harness. A function's later checks count only when its values are right. Points:
+spec.py.
+
+Public checks (they run in the student edition too) judge with fixed cases whose values are
+data (``public_cases.json``), invariants, finite differences of the student's own function, and
+the per-token truth that the probes compute with the same helpers the graded code was given
+(:func:`.ranks.per_token_layer`, float64). Hidden checks (``hidden=True`` in spec.py) compare
+fresh random cases with the instructor's answer key (:func:`.expected.key`); without the key
+they are reserved, never run.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from autograder.checking.expect import (assert_close, float32_tolerance, fresh_generator,
-                                        sequence, shared_rank_replies, tensor)
+from autograder.checking.expect import assert_close, float32_tolerance, sequence, tensor
 
 from . import expected as E
 from . import ranks as R
-from .probes import (probe_balance, probe_capacity, probe_keep, probe_moe, probe_ranks,
-                     probe_route)
+from .judging import (EPS, PARAMS, _close, _each, _ep_truths, _ep_what, _grad, _judge_ep,
+                      _judge_moe, _judge_training, _key, _moe_key, _moe_per_token, _named,
+                      _tol64, shared_call)
+from .probes import FD_STEP, probe_balance, probe_capacity, probe_keep, probe_route
 from .spec import SPEC
 
 graded = SPEC.graded
-EPS = torch.finfo(torch.float64).eps
-PARAMS = ("0.weight", "0.bias", "2.weight", "2.bias")
+F64 = torch.float64
 
 
-def _tol64(reference: torch.Tensor) -> dict:
-    """Float64 rounding of a result of this size: a few thousand ulps of its largest entry."""
-    scale = reference.abs().max().item() if reference.numel() else 1.0
-    return dict(rtol=0, atol=4096 * EPS * max(1.0, scale))
-
-
-def _close(desc, want, what, seed, **tol):
-    assert_close(tensor(desc, what)["value"], want, what, seed=seed, **(tol or _tol64(want)))
-
-
-def _grad(desc, want, what, seed, *, may_be_none=False):
-    """A gradient: None is accepted (for zeros) only where ``may_be_none``."""
-    if isinstance(desc, dict) and desc.get("kind") == "plain" and desc.get("value") is None:
-        assert may_be_none, f"{what}: got no gradient (None)"
-        return
-    _close(desc, want, what, seed)
-
-
-def _shared_call(student, key, make, probe, *extra):
-    """``(seed, inputs, reply)`` of one probe call shared by a function's checks."""
-    def run():
-        g, seed = fresh_generator()
-        inputs = make(g, seed)
-        return seed, inputs, student.call(probe, inputs, *extra)
-    return student.shared(key, run)
+def _as_tensor(values, dtype):
+    return torch.tensor(values, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------- route
 
-def _judge_route(student, gradients=False):
-    seed, cases, (results, bad) = _shared_call(student, "route", lambda g, s: E.route_cases(g),
-                                               probe_route)
+def _route_inputs(g, seed):
+    """The public fixed cases first, then fresh random ones."""
+    fixed = [{"logits": _as_tensor(c["logits"], F64), "k": c["k"], "what": c["what"],
+              "want": c} for c in E.public_cases()["route"]]
+    for case in fixed:
+        case["upstream"] = torch.ones(case["logits"].size(0), case["k"], dtype=F64)
+    return fixed + E.route_cases(g)
+
+
+def _route_reply(student):
+    seed, cases, (results, bad) = shared_call(student, "route", _route_inputs, probe_route)
     assert isinstance(results, list) and len(results) == len(cases), "the reply was tampered with"
+    return seed, cases, results, bad
+
+
+def _route_result(case, res):
+    what = f"route({case['what']})"
+    w_desc, e_desc = sequence(res["result"], f"{what}'s result (weights, experts)", 2)
+    experts = tensor(e_desc, f"{what}: experts")["value"]
+    weights = tensor(w_desc, f"{what}: weights")["value"]
+    T, k = case["logits"].size(0), case["k"]
+    assert experts.shape == (T, k) and experts.dtype == torch.int64, (
+        f"{what}: experts should be int64 of shape {(T, k)}; got {experts.dtype} of shape "
+        f"{tuple(experts.shape)}")
+    assert weights.shape == (T, k) and weights.dtype == case["logits"].dtype, (
+        f"{what}: weights should be {case['logits'].dtype} of shape {(T, k)}; got "
+        f"{weights.dtype} of shape {tuple(weights.shape)}")
+    return what, weights, experts
+
+
+def _top_k_violation(probs: torch.Tensor, experts: torch.Tensor) -> str | None:
+    """Where ``experts`` are not the text's top-k of ``probs``: in descending probability,
+    equal probabilities in increasing index, no expert left out that should come before."""
+    for t, row in enumerate(experts.tolist()):
+        p = probs[t].tolist()
+        if len(set(row)) != len(row) or not all(0 <= e < len(p) for e in row):
+            return f"token {t}: experts {row} are not {len(row)} distinct expert indices"
+        rank = sorted(range(len(p)), key=lambda e: (-p[e], e))  # the order the text defines
+        if row != rank[:len(row)]:
+            return (f"token {t}: probabilities {[round(v, 6) for v in p]}, experts {row}; "
+                    f"expected {rank[:len(row)]} (descending probability, ties to the lower "
+                    "index)")
+    return None
+
+
+@graded
+def test_route_fixed_cases_invariants_and_value_error(student):
+    seed, cases, results, bad = _route_reply(student)
     for case, res in zip(cases, results):
-        logits, k = case["logits"], case["k"]
-        what = f"route({case['what']})"
-        w_desc, e_desc = sequence(res["result"], f"{what}'s result (weights, experts)", 2)
-        experts = tensor(e_desc, f"{what}: experts")["value"]
-        weights = tensor(w_desc, f"{what}: weights")["value"]
-        want_w, want_e = E.route(logits.double(), k)
-        assert experts.shape == want_e.shape and experts.dtype == torch.int64, (
-            f"{what}: experts should be int64 of shape {tuple(want_e.shape)}; got "
-            f"{experts.dtype} of shape {tuple(experts.shape)}")
-        assert torch.equal(experts, want_e), (
-            f"{what}: experts {experts.tolist()}; expected {want_e.tolist()} (descending "
-            f"probability, ties to the lower index; inputs from seed {seed})")
-        tol = _tol64(want_w) if logits.dtype == torch.float64 else dict(
-            rtol=0, atol=float32_tolerance(want_w, E.route(logits, k)[0]))
-        assert_close(weights, want_w.to(logits.dtype), f"{what}: weights (probabilities "
-                     "renormalised over the k)", seed=seed, **tol)
-        if not gradients:
+        what, weights, experts = _route_result(case, res)
+        logits = case["logits"]
+        want = case.get("want")
+        if want is not None:  # a public fixed case: its values are data
+            assert experts.tolist() == want["experts"], (
+                f"{what}: experts {experts.tolist()}; expected {want['experts']} (descending "
+                "probability, ties to the lower index)")
+            w = _as_tensor(want["weights"], F64)
+            assert_close(weights, w, f"{what}: weights (probabilities renormalised over the k)",
+                         **_tol64(w))
             continue
-        assert res["backward_ran"], f"{what}: the weights do not require grad (logits do)"
-        leaf, mine = (logits.to(t).clone().requires_grad_() for t in (torch.float64, logits.dtype))
-        for t in (leaf, mine):
-            (E.route(t, k)[0] * case["upstream"].to(t.dtype)).sum().backward()
-        tol = _tol64(leaf.grad) if logits.dtype == torch.float64 else dict(
-            rtol=0, atol=float32_tolerance(leaf.grad, mine.grad))
-        assert_close(tensor(res["grad"], f"{what}: the gradient of the logits")["value"],
-                     leaf.grad.to(logits.dtype), f"{what}: the gradient of the logits",
-                     seed=seed, **tol)
+        violation = _top_k_violation(torch.softmax(logits.double(), dim=-1), experts)
+        assert violation is None, f"{what}: {violation} (inputs from seed {seed})"
+        eps = torch.finfo(logits.dtype).eps
+        total = weights.double().sum(-1)
+        assert bool((weights >= 0).all()) and \
+            bool(((total - 1).abs() <= 16 * case["k"] * eps).all()), (
+                f"{what}: each row of weights should be >= 0 and sum to 1 (renormalised over "
+                f"the k); row sums {total.tolist()} (inputs from seed {seed})")
+        assert bool((weights[:, 1:] <= weights[:, :-1] * (1 + 16 * eps)).all()), (
+            f"{what}: weights should come in the experts' order, descending (inputs from seed "
+            f"{seed})")
     for k, error in bad.items():
         assert str(error).startswith("ValueError"), (
             f"route with k={k} for {cases[0]['logits'].size(-1)} experts should raise "
@@ -95,204 +117,220 @@ def _judge_route(student, gradients=False):
 
 
 @graded
-def test_route_values_ties_and_value_error(student):
-    _judge_route(student)
-
-
-@graded
-def test_route_renormalised_weights_gradient(student):
-    _judge_route(student, gradients=True)  # given only with right values
+def test_route_random_cases_and_gradient_against_the_key(student):
+    key = _key()
+    seed, cases, results, _ = _route_reply(student)
+    for case, res in zip(cases, results):
+        what, weights, experts = _route_result(case, res)
+        logits, k = case["logits"], case["k"]
+        want_w, want_e = key.route(logits.double(), k)
+        assert torch.equal(experts, want_e), (
+            f"{what}: experts {experts.tolist()}; expected {want_e.tolist()} (descending "
+            f"probability, ties to the lower index; inputs from seed {seed})")
+        tol = _tol64(want_w) if logits.dtype == F64 else dict(
+            rtol=0, atol=float32_tolerance(want_w, key.route(logits, k)[0]))
+        assert_close(weights, want_w.to(logits.dtype), f"{what}: weights (probabilities "
+                     "renormalised over the k)", seed=seed, **tol)
+        assert res["backward_ran"], f"{what}: the weights do not require grad (logits do)"
+        leaf, mine = (logits.to(t).clone().requires_grad_() for t in (F64, logits.dtype))
+        for t in (leaf, mine):
+            (key.route(t, k)[0] * case["upstream"].to(t.dtype)).sum().backward()
+        tol = _tol64(leaf.grad) if logits.dtype == F64 else dict(
+            rtol=0, atol=float32_tolerance(leaf.grad, mine.grad))
+        assert_close(tensor(res["grad"], f"{what}: the gradient of the logits")["value"],
+                     leaf.grad.to(logits.dtype), f"{what}: the gradient of the logits",
+                     seed=seed, **tol)
 
 
 # ---------------------------------------------------------------------------- capacity
 
-def _judge_capacity(student):
-    seed, cases, reply = _shared_call(student, "capacity", lambda g, s: E.CAPACITY_CASES,
-                                      probe_capacity, E.CAPACITY_ERRORS)
+def _capacity_inputs(g, seed):
+    """The public fixed cases, then (with the key) the hidden and random ones."""
+    public = [tuple(c["args"]) for c in E.public_cases()["expert_capacity"]]
+    key = E.key()
+    return public + (key.capacity_cases(g) if key is not None else [])
+
+
+def _judge_capacity(student, hidden: bool):
+    errors_in = [tuple(c) for c in E.public_cases()["expert_capacity_errors"]]
+    seed, cases, reply = shared_call(student, "capacity", _capacity_inputs, probe_capacity,
+                                      errors_in)
     values, errors = reply
     assert len(values) == len(cases), "the reply was tampered with"
+    public = {tuple(c["args"]): c["value"] for c in E.public_cases()["expert_capacity"]}
     for case, got in zip(cases, values):
-        want = E.capacity(*case)
+        if (case in public) == hidden:
+            continue
+        want = public[case] if not hidden else _key().capacity(*case)
         assert got["type"] == "int" and got["value"] == want, (
             f"expert_capacity{case} returned {got['value']!r} ({got['type']}); expected the "
-            f"int {want} (exact: capacity_factor as the decimal it prints as)")
-    for case, error in zip(E.CAPACITY_ERRORS, errors):
-        assert str(error).startswith("ValueError"), \
-            f"expert_capacity{case} should raise ValueError; got {error}"
+            f"int {want} (exact: capacity_factor as the decimal it prints as)"
+            + (f"; inputs from seed {seed}" if hidden else ""))
+    if not hidden:
+        for case, error in zip(errors_in, errors):
+            assert str(error).startswith("ValueError"), \
+                f"expert_capacity{case} should raise ValueError; got {error}"
+
+
+def _keep_inputs(g, seed):
+    fixed = [{"experts": torch.tensor(c["experts"], dtype=torch.int64),
+              "capacity": c["capacity"], "what": c["what"], "want": c["keep"]}
+             for c in E.public_cases()["keep_mask"]]
+    return fixed + E.keep_cases(g)
+
+
+def _fill_order_violation(mask: torch.Tensor, experts: torch.Tensor, cap: int) -> str | None:
+    """Where ``mask`` breaks the text's rule, in its fill order (all first choices in token
+    order, then all second choices, ...): each expert keeps exactly its first ``min(count,
+    cap)`` assignments, a prefix."""
+    T, k = experts.shape
+    flags: dict[int, list] = {}
+    for j in range(k):
+        for t in range(T):
+            flags.setdefault(int(experts[t, j]), []).append(((t, j), bool(mask[t, j])))
+    for e, seq in sorted(flags.items()):
+        kept = sum(f for _, f in seq)
+        if kept != min(len(seq), max(cap, 0)):
+            return (f"expert {e} has {len(seq)} assignments and keeps {kept}; with capacity "
+                    f"{cap} it should keep {min(len(seq), max(cap, 0))}")
+        late = next(((t, j) for i, ((t, j), f) in enumerate(seq) if f and i >= kept), None)
+        if late is not None:
+            return (f"expert {e} keeps (token {late[0]}, choice {late[1]}) although an "
+                    "assignment before it in the fill order was dropped")
+    return None
 
 
 def _judge_keep(student, which):
-    seed, cases, results = _shared_call(student, "keep", lambda g, s: E.keep_cases(g),
-                                        probe_keep)
+    """``which``: "public" (the fixed cases' values, the fill order on random routings) or
+    "hidden" (random routings against the answer key)."""
+    seed, cases, results = shared_call(student, "keep", _keep_inputs, probe_keep)
     assert isinstance(results, list) and len(results) == len(cases), "the reply was tampered with"
-    for c, (case, res) in enumerate(zip(cases, results)):
-        if (c < E.HAND_MADE_KEEP) != (which == "hand-made") and which != "all":
+    for case, res in zip(cases, results):
+        fixed = "want" in case
+        if which == "hidden" and fixed:
             continue
         experts, cap = case["experts"], case["capacity"]
         what = f"keep_mask({case['what']})"
         mask = tensor(res["mask"], what)["value"]
-        want = E.keep_mask(experts, cap)
-        assert mask.dtype == torch.bool and mask.shape == want.shape, (
-            f"{what} should be a bool tensor of shape {tuple(want.shape)}; got {mask.dtype} of "
-            f"shape {tuple(mask.shape)}")
+        assert mask.dtype == torch.bool and mask.shape == experts.shape, (
+            f"{what} should be a bool tensor of shape {tuple(experts.shape)}; got {mask.dtype} "
+            f"of shape {tuple(mask.shape)}")
+        if which == "hidden":
+            want = _key().keep_mask(experts, cap)
+        elif fixed:
+            want = torch.tensor(case["want"], dtype=torch.bool)
+        else:
+            violation = _fill_order_violation(mask, experts, cap)
+            assert violation is None, (
+                f"{what} with experts {experts.tolist()}: {violation} (all first choices in "
+                f"token order, then all second choices, ...; inputs from seed {seed})")
+            continue
         assert torch.equal(mask, want), (
             f"{what} with experts {experts.tolist()}: got {mask.int().tolist()}, expected "
             f"{want.int().tolist()} (all first choices in token order, then all second "
-            f"choices, ...; inputs from seed {seed})")
+            "choices, ..." + (f"; inputs from seed {seed})" if not fixed else ")"))
 
 
 @graded
-def test_expert_capacity_exact_values_and_value_errors(student):
-    _judge_capacity(student)
-    _judge_keep(student, "all")  # the cell's other function: given only when it is right too
+def test_expert_capacity_fixed_cases_and_value_errors(student):
+    _judge_capacity(student, hidden=False)
+    _judge_keep(student, "public")  # the cell's other function: given only when it is right
 
 
 @graded
-def test_keep_mask_hand_made_cases(student):
-    _judge_keep(student, "hand-made")
+def test_keep_mask_fixed_cases_and_the_fill_order(student):
+    _judge_keep(student, "public")
 
 
 @graded
-def test_keep_mask_random_cases_against_the_fill_order(student):
-    _judge_keep(student, "random")
+def test_expert_capacity_and_keep_mask_random_cases_against_the_key(student):
+    _judge_capacity(student, hidden=True)
+    _judge_keep(student, "hidden")
 
 
 # ---------------------------------------------------------------------------- load balancing
 
-def _judge_balance(student, gradients=False):
-    seed, cases, results = _shared_call(student, "balance", lambda g, s: E.balance_cases(g),
-                                        probe_balance)
+def _balance_inputs(g, seed):
+    fixed = [{"logits": _as_tensor(c["logits"], F64),
+              "experts": torch.tensor(c["experts"], dtype=torch.int64),
+              "num_experts": c["num_experts"], "what": c["what"], "want": c["loss"], "fd": True}
+             for c in E.public_cases()["load_balancing_loss"]]
+    return fixed + [dict(case, fd=True) for case in E.balance_cases(g)]
+
+
+def _balance_reply(student):
+    seed, cases, results = shared_call(student, "balance", _balance_inputs, probe_balance)
     assert isinstance(results, list) and len(results) == len(cases), "the reply was tampered with"
+    return seed, cases, results
+
+
+def _scalar(desc, what) -> float:
+    value = tensor(desc, what)["value"]
+    assert value.numel() == 1 and value.dtype == F64, \
+        f"{what} should be a float64 scalar tensor; got {value.dtype} of shape {tuple(value.shape)}"
+    return value.item()
+
+
+@graded
+def test_load_balancing_loss_fixed_cases_and_finite_differences(student):
+    seed, cases, results = _balance_reply(student)
+    for case, res in zip(cases, results):
+        what = f"load_balancing_loss({case['what']})"
+        loss = tensor(res["loss"], what)["value"]
+        assert loss.dim() == 0 and loss.dtype == F64, (
+            f"{what} should be a 0-dimensional float64 tensor; got {loss.dtype} of shape "
+            f"{tuple(loss.shape)}")
+        if "want" in case:
+            want = torch.tensor(case["want"], dtype=F64)
+            assert_close(loss, want, f"{what} (E * sum_i f_i * P_i, f from all k choices)",
+                         **_tol64(want))
+        assert res["backward_ran"], f"{what}: the loss does not require grad (logits do)"
+        grad = tensor(res["grad"], f"{what}: the gradient of the logits")["value"]
+        nearby = res["nearby"]
+        assert isinstance(nearby, list) and len(nearby) == case["logits"].numel(), \
+            "the reply was tampered with"
+        fd = torch.tensor([(_scalar(p, what) - _scalar(m, what)) / (2 * FD_STEP)
+                           for p, m in nearby], dtype=F64).view_as(case["logits"])
+        # central differences: truncation h^2/6 |f'''| (softmax's derivatives are at most a
+        # few times E) and rounding eps |loss| / h, each far below this
+        tol = 1000 * (FD_STEP ** 2 * case["num_experts"] + EPS * max(1.0, abs(loss.item()))
+                      / FD_STEP)
+        assert_close(grad, fd, f"{what}: the gradient of the logits (autograd) against central "
+                     f"finite differences of your own function (step {FD_STEP})", seed=seed,
+                     rtol=0, atol=tol)
+
+
+@graded
+def test_load_balancing_loss_random_cases_against_the_key(student):
+    key = _key()
+    seed, cases, results = _balance_reply(student)
     for case, res in zip(cases, results):
         what = f"load_balancing_loss({case['what']})"
         leaf = case["logits"].clone().requires_grad_()
-        want = E.balance_loss(leaf, case["experts"], case["num_experts"])
+        want = key.balance_loss(leaf, case["experts"], case["num_experts"])
         _close(res["loss"], want.detach(), f"{what} (a scalar tensor: E * sum_i f_i * P_i, f "
                "from all k choices)", seed)
-        if gradients:
-            want.backward()
-            assert res["backward_ran"], f"{what}: the loss does not require grad (logits do)"
-            _grad(res["grad"], leaf.grad, f"{what}: the gradient of the logits", seed)
+        want.backward()
+        assert res["backward_ran"], f"{what}: the loss does not require grad (logits do)"
+        _grad(res["grad"], leaf.grad, f"{what}: the gradient of the logits", seed)
+
+
+# ------------------------------------------------ MoELayer, ExpertParallelMoE, train_ep (.judging)
 
 
 @graded
-def test_load_balancing_loss_matches_the_formula(student):
-    _judge_balance(student)
+def test_MoELayer_outputs_against_a_per_token_loop(student):
+    _judge_moe(student, "outputs", _moe_per_token)
 
 
 @graded
-def test_load_balancing_loss_gradient(student):
-    _judge_balance(student, gradients=True)  # given only with right values
-
-
-# ---------------------------------------------------------------------------- MoELayer
-
-def _judge_moe(student, part):
-    helpers = E.helper_cells(SPEC.function("MoELayer").helpers)
-    seed, cases, results = _shared_call(student, "moe", E.moe_cases, probe_moe, helpers)
-    assert isinstance(results, list) and len(results) == len(cases), "the reply was tampered with"
-    for case, res in zip(cases, results):
-        what = f"MoELayer ({case['what']})"
-        truth = E.dense(case["state"], case["x"], case["upstream"], case["k"],
-                        case["capacity_factor"], case["c"])
-        _close(res["y"], truth["y"], f"{what}: y", seed)
-        _close(res["aux"], truth["aux"], f"{what}: aux (a 0-dimensional tensor)", seed)
-        if part == "outputs":
-            continue
-        assert res["backward_ran"], f"{what}: neither y nor aux requires grad"
-        grads = res["grads"]
-        assert isinstance(grads, dict) and set(grads) == set(case["state"]), (
-            f"{what}: its parameters are not those of the given __init__")
-        loss = f"(y * g).sum() + {case['c']:.3f} * aux"
-        if part == "router":
-            _grad(res["x_grad"], truth["grads"]["x"], f"{what}: the gradient of x for {loss}",
-                  seed)
-        for name, desc in grads.items():
-            j = int(name.split(".")[1]) if name.startswith("experts.") else None
-            if (j is None) == (part == "router"):
-                _grad(desc, truth["grads"][name], f"{what}: the gradient of {name} for {loss}",
-                      seed, may_be_none=j is not None and int(truth["kept"][j]) == 0)
+def test_MoELayer_gradients_against_a_per_token_loop(student):
+    _judge_moe(student, "gradients", _moe_per_token)  # given only with right outputs
 
 
 @graded
-def test_MoELayer_outputs_with_and_without_drops(student):
-    _judge_moe(student, "outputs")
-
-
-@graded
-def test_MoELayer_gradients_of_x_and_the_router(student):
-    _judge_moe(student, "router")  # given only with right outputs
-
-
-@graded
-def test_MoELayer_gradients_of_the_experts(student):
-    _judge_moe(student, "experts")  # given only with right outputs
-
-
-# ---------------------------------------------------------------------------- ExpertParallelMoE
-
-def _run_of(student, name, *extra):
-    """``(seed, replies)``: the 4 ranks' replies of ``name``'s one run, shared by its checks."""
-    helpers = E.helper_cells(SPEC.function(name).helpers)
-    return shared_rank_replies(student, name, R.WORLD, probe_ranks,
-                               lambda seed: (name, seed, helpers, *extra))
-
-
-def _each(replies, keys):
-    """``(group index, n, r, where, key, case)`` for every group, rank in it and case key."""
-    for i, (label, members) in enumerate(R.GROUPS):
-        for r, g in enumerate(members):
-            where = f"on {label}, group rank {r} (global rank {g})"
-            for key in keys:
-                if key == "bad" and len(members) not in R.BAD_EXPERTS:
-                    continue
-                case = replies[g].get((i, key))
-                assert isinstance(case, dict), "the ranks' reply was tampered with"
-                yield i, len(members), r, where, key, case
-
-
-def _named(desc, what) -> dict:
-    """An expert's ``[[name, gradient or tensor], ...]`` as a dict, its names checked."""
-    named = {item["items"][0]["value"]: item["items"][1] for item in sequence(desc, what, 4)}
-    assert set(named) == set(PARAMS), \
-        f"{what}'s parameters are named {sorted(named)}; expected {list(PARAMS)} (an expert)"
-    return named
-
-
-def _ep_what(where, c):
-    cf, skewed = R.EP_CASES[c]
-    return (f"ExpertParallelMoE {where}, capacity_factor={cf}"
-            + (", skewed routing (a rank receives no row)" if skewed else ""))
-
-
-def _judge_ep(student, gradients=False):
-    """Every rank's forward (and gradients) against the dense layer on its tokens."""
-    seed, replies = _run_of(student, "ExpertParallelMoE")
-    for i, n, r, where, c, case in _each(replies, range(len(R.EP_CASES))):
-        what = _ep_what(where, c)
-        truth = E.ep_dense(seed, n, c, r)
-        _close(case["y"], truth["y"], f"{what}: y (vs the dense layer on this rank's tokens)",
-               seed)
-        _close(case["aux"], truth["aux"], f"{what}: aux (vs the dense layer on this rank's "
-               "tokens)", seed)
-        if not gradients:
-            continue
-        assert case["backward_ran"], f"{what}: neither y nor aux requires grad"
-        _grad(case["x_grad"], truth["grads"]["x"], f"{what}: the gradient of x", seed)
-        router = sequence(case["router_grad"], f"{what}: the router's gradients", 1)
-        _grad(router[0], truth["grads"]["router.weight"], f"{what}: the gradient of "
-              "router.weight (vs the dense layer on this rank's tokens)", seed)
-        m = R.E // n
-        experts = sequence(case["expert_grads"], f"{what}: the local experts", m)
-        everyone = [E.ep_dense(seed, n, c, s) for s in range(n)]
-        for local, desc in enumerate(experts):
-            j, named = r * m + local, _named(desc, f"{what}: local expert {local}")
-            for p in PARAMS:
-                want = sum(t["grads"][f"experts.{j}.{p}"] for t in everyone)
-                _grad(named[p], want, f"{what}: the gradient of local expert {local} (global "
-                      f"{j}) {p} (the sum over the group's ranks of the dense layer's)", seed,
-                      may_be_none=sum(int(t["kept"][j]) for t in everyone) == 0)
-    return seed, replies
+def test_MoELayer_against_the_answer_key(student):
+    _judge_moe(student, "gradients", _moe_key)
 
 
 @graded
@@ -328,12 +366,12 @@ def test_ExpertParallelMoE_from_moe_attributes_and_value_error(student):
 
 
 @graded
-def test_ExpertParallelMoE_forward_equals_the_dense_layer(student):
+def test_ExpertParallelMoE_forward_against_a_per_token_loop(student):
     _judge_ep(student)
 
 
 @graded
-def test_ExpertParallelMoE_gradients(student):
+def test_ExpertParallelMoE_gradients_against_a_per_token_loop(student):
     _judge_ep(student, gradients=True)
 
 
@@ -353,7 +391,9 @@ def test_ExpertParallelMoE_all_to_alls_only(student):
             assert len(forward) <= 3 and len(backward) <= 2, (
                 f"{what}: {len(forward)} all-to-alls in forward, {len(backward)} in backward")
             continue
-        kept, got = int(E.ep_dense(seed, n, c, r)["kept"].sum()), E.received(seed, n, c, r)
+        everyone, m = _ep_truths("per-token", seed, replies, i, n, c), R.E // n
+        kept = int(everyone[r]["kept"].sum())
+        got = sum(int(t["kept"][r * m:(r + 1) * m].sum()) for t in everyone)
         sizes, rows = [elements for _, elements, _ in forward], [kept * R.D, got * R.D]
         assert len(sizes) == 3 and sizes[0] <= R.E and sizes[1:] == rows, (
             f"{what}: the forward's all-to-alls had inputs of {sizes} elements; expected 3: "
@@ -366,41 +406,9 @@ def test_ExpertParallelMoE_all_to_alls_only(student):
             f"two token all-to-alls again ({sorted(rows)} elements)")
 
 
-# ---------------------------------------------------------------------------- train_ep
-
-def _judge_training(student, part):
-    source = E.setup_source()
-    seed, replies = _run_of(student, "train_ep", source)
-    for i, (label, members) in enumerate(R.GROUPS):
-        n = len(members)
-        losses, state = student.shared(f"one process {n}", lambda: E.one_process_training(
-            seed, source, n))
-        for r, g in enumerate(members):
-            case = replies[g].get(i)
-            assert isinstance(case, dict), "the ranks' reply was tampered with"
-            what = f"train_ep {label}, group rank {r} (global rank {g})"
-            if part == "losses":
-                values = [d.get("value") for d in sequence(case["losses"], f"{what}: losses",
-                                                           R.T_STEPS)]
-                assert all(type(v) is float for v in values), \
-                    f"{what}: the losses should be a list of {R.T_STEPS} Python floats"
-                for step, (v, w) in enumerate(zip(values, losses)):
-                    assert math.isfinite(v) and abs(v - w) <= 4096 * EPS * max(1.0, abs(w)), (
-                        f"{what}: the loss before update {step} is {v!r}; one process "
-                        f"training on the same per-chunk losses had {w!r} (seed {seed})")
-                continue
-            m = R.MODEL["num_experts"] // n
-            names = [k for k in state if not k.startswith("moe.experts.") or
-                     r * m <= int(k.split(".")[2]) < (r + 1) * m]
-            got = case["state"]
-            assert isinstance(got, dict) and "kind" not in got, \
-                f"{what}: state should be a dict of name -> tensor"
-            assert set(got) == set(names), (
-                f"{what}: state has the names {sorted(got)}; expected {sorted(names)} (the "
-                "local experts under their global names)")
-            for name in names:
-                _close(got[name], state[name], f"{what}: {name} after {R.T_STEPS} steps (vs "
-                       "one process on the same per-chunk losses)", seed)
+@graded
+def test_ExpertParallelMoE_against_the_answer_key(student):
+    _judge_ep(student, gradients=True, source="key")
 
 
 @graded
@@ -411,3 +419,8 @@ def test_train_ep_losses_match_one_process_training(student):
 @graded
 def test_train_ep_state_matches_one_process_training(student):
     _judge_training(student, "state")
+
+
+@graded
+def test_train_ep_against_the_answer_key(student):
+    _judge_training(student, "both", truth="key")

@@ -3,7 +3,11 @@
 the sandbox's own process; ``ExpertParallelMoE`` and ``train_ep`` start on 4 fresh processes
 (:func:`autograder.checking.ranks.run_ranks`; what each runs is in :mod:`.ranks`). They return
 what came back (no judging here). A function graded with others' help gets the reference
-versions of those (:func:`reference_helpers`), so a bug costs one function's points.
+versions of those (:func:`reference_helpers`), so a bug costs one function's points; the
+student edition has no reference, and there they are the student's own. ``MoELayer``,
+``ExpertParallelMoE`` and ``train_ep`` also bring back the per-token truth computed with those
+same helpers (:func:`.ranks.per_token_layer`), and ``load_balancing_loss`` its values at nearby
+logits (finite differences), for the public checks.
 """
 from __future__ import annotations
 
@@ -17,11 +21,16 @@ from autograder.checking.probes import describe, reference_helpers, student_func
 from autograder.checking.ranks import run_ranks
 
 from . import ranks
-from .spec import SPEC
+from .spec import _PARTS, SPEC
+
+#: The step of the finite differences of ``load_balancing_loss`` (central, float64).
+FD_STEP = 1e-5
 
 #: A rank that gloo killed (SIGABRT: it received more bytes than its output tensor holds)
-#: leaves no Python error; its neighbours report a broken connection.
-_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|exited with code -6")
+#: leaves no Python error; its neighbours report a broken connection, or the harness names the
+#: rank that died (killed by SIGABRT).
+_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|exited with code -6|"
+                   r"killed by SIGABRT")
 _LOST_HINT = ("\nA rank was killed by gloo (no Python error of its own): it most likely received "
               "more rows in an all-to-all than its output tensor had room for. Each rank must "
               "learn how many rows it will receive from every other rank (exchange the counts "
@@ -55,19 +64,32 @@ def _helpers(ns, name, helper_cells):
     return reference_helpers(holder, helper_cells, list(SPEC.function(name).helpers))
 
 
+def _parts(ns) -> tuple:
+    """``(route, expert_capacity, keep_mask, load_balancing_loss)`` as ``ns`` has them now."""
+    return tuple(ns.get(n) for n in _PARTS)
+
+
 def probe_ranks(ns, name, seed, helper_cells=None, *args):
-    """The 4 ranks' replies of ``name``'s run (on gloo: the checks' tensors are CPU float64)."""
+    """The 4 ranks' replies of ``name``'s run (on gloo: the checks' tensors are CPU float64);
+    for ``train_ep``, rank 0's reply also holds the per-token one-process training."""
     fn = _graded(ns, name)
-    body = ranks.rank_ep if name == "ExpertParallelMoE" else ranks.rank_train
     with _helpers(ns, name, helper_cells):
         moe_class = student_function(ns, SPEC.function("MoELayer"))
+        if name == "ExpertParallelMoE":
+            body, extra = ranks.rank_ep, (_parts(ns),)
+        else:
+            body, extra = ranks.rank_train, args
         try:
-            return run_ranks(body, ranks.WORLD, fn, moe_class, seed, *args, backend="gloo",
-                             timeout=75.0)
+            replies = run_ranks(body, ranks.WORLD, fn, moe_class, seed, *extra, backend="gloo",
+                                timeout=75.0)
         except RuntimeError as exc:
             if _LOST.search(str(exc)):
                 raise RuntimeError(str(exc) + _LOST_HINT) from None
             raise
+        if name == "train_ep" and isinstance(replies, list) and replies and \
+                isinstance(replies[0], dict):
+            replies[0]["per-token"] = ranks.per_token_training(_parts(ns), seed, *args)
+        return replies
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -112,7 +134,9 @@ def probe_keep(ns, cases):
 
 
 def probe_balance(ns, cases):
-    """``load_balancing_loss`` on each case and the gradient of the loss w.r.t. the logits."""
+    """``load_balancing_loss`` on each case, the gradient of the loss w.r.t. the logits, and
+    (cases with ``"fd"``) the loss at ``logits +- FD_STEP`` in each entry: ``[[plus, minus],
+    ...]`` in row-major order."""
     fn = student_function(ns, SPEC.function("load_balancing_loss"))
     out = []
     for case in cases:
@@ -121,14 +145,26 @@ def probe_balance(ns, cases):
         ran = isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad
         if ran:
             loss.sum().backward()
-        out.append({"loss": describe(loss), "grad": describe(logits.grad), "backward_ran": ran})
+        nearby = []
+        if case.get("fd"):
+            with torch.no_grad():
+                for i in range(case["logits"].numel()):
+                    pair = []
+                    for sign in (1.0, -1.0):
+                        moved = case["logits"].clone()
+                        moved.view(-1)[i] += sign * FD_STEP
+                        pair.append(describe(fn(moved, case["experts"].clone(),
+                                                case["num_experts"])))
+                    nearby.append(pair)
+        out.append({"loss": describe(loss), "grad": describe(logits.grad), "backward_ran": ran,
+                    "nearby": nearby})
     return out
 
 
 def probe_moe(ns, cases, helper_cells=None):
     """``MoELayer`` (its given ``__init__``) holding each case's weights: ``forward(x)``,
     backward of (y * upstream).sum() + c * aux; outputs, gradients of x, the router and every
-    expert."""
+    expert; and the per-token truth with the same helpers."""
     with _helpers(ns, "MoELayer", helper_cells):
         cls = student_function(ns, SPEC.function("MoELayer"))
         out = []
@@ -144,5 +180,8 @@ def probe_moe(ns, cases, helper_cells=None):
                 ((y * case["upstream"]).sum() + case["c"] * aux.sum()).backward()
             out.append({"y": describe(y), "aux": describe(aux), "backward_ran": ran,
                         "x_grad": describe(x.grad),
-                        "grads": {name: describe(p.grad) for name, p in moe.named_parameters()}})
+                        "grads": {name: describe(p.grad) for name, p in moe.named_parameters()},
+                        "truth": ranks.per_token_truth(_parts(ns), case["state"], case["x"],
+                                                       case["upstream"], case["k"],
+                                                       case["capacity_factor"], case["c"])})
         return out

@@ -1,5 +1,9 @@
 """What each process of Assignment 7's checks runs, and the inputs, groups and weights it shares
-with the grader (which rebuilds them from the same seeds to compute the float64 truth).
+with the grader (the answer key rebuilds them from the same seeds for the hidden checks), and
+the public checks' per-token truth: :func:`per_token_layer`, the dense layer as a plain loop over
+tokens and kept choices, routed by the same helpers the graded code is given (the reference's
+where the grader has them, else the student's own), with its float64 gradients
+(:func:`layer_truth`), and one process training the dense model (:func:`train_one_process`).
 
 Trusted harness code: a probe starts these on 4 fresh processes with
 :func:`autograder.checking.ranks.run_ranks`. One run covers every group size: each rank tries
@@ -16,6 +20,8 @@ import functools
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from autograder.checking.collectives import calls_on_every_group
 from autograder.checking.probes import describe
@@ -100,9 +106,84 @@ def load_moe(moe_class, state: dict, k: int, capacity_factor):
     return moe
 
 
+# ---------------------------------------------------------------------------- per-token truth
+
+#: An expert's parameter names (``nn.Sequential(Linear, GELU, Linear)``).
+PARAMS = ("0.weight", "0.bias", "2.weight", "2.bias")
+
+
+def per_token_layer(parts, router_weight, experts, x, k, capacity_factor):
+    """The MoE layer as the text defines it, one token and one kept choice at a time (slow,
+    plain), routed by ``parts``: the namespace's ``(route, expert_capacity, keep_mask,
+    load_balancing_loss)`` (the reference's where the grader has them, else the student's own).
+    ``experts``: each expert's ``[w1, b1, w2, b2]``. Returns ``(y, aux, keep, chosen)``."""
+    routing, capacity_of, fitting, balancing = parts
+    logits = F.linear(x, router_weight)              # what nn.Linear(d, E, bias=False) computes
+    weights, chosen = routing(logits, k)
+    keep = fitting(chosen, capacity_of(x.size(0), len(experts), k, capacity_factor))
+    aux = balancing(logits, chosen, len(experts))
+    rows = []
+    for t in range(x.size(0)):
+        row = torch.zeros_like(x[t])
+        for j in range(k):
+            if bool(keep[t, j]):
+                w1, b1, w2, b2 = experts[int(chosen[t, j])]
+                row = row + weights[t, j] * F.linear(F.gelu(F.linear(x[t], w1, b1)), w2, b2)
+        rows.append(row)
+    y = torch.stack(rows) if rows else torch.zeros_like(x)
+    return y, aux, torch.as_tensor(keep, dtype=torch.bool), torch.as_tensor(chosen)
+
+
+def layer_truth(forward, state: dict, x, g, k, capacity_factor, c=C_AUX) -> dict:
+    """``forward`` (:func:`per_token_layer`'s arguments after ``parts``) on the layer held in
+    ``state`` and the gradients of (y * g).sum() + c * aux: of x, the router, each expert (zeros
+    for an expert that got no token); the kept assignments per expert."""
+    leaves = {name: t.clone().requires_grad_() for name, t in state.items()}
+    num_experts = state["router.weight"].size(0)
+    experts = [[leaves[f"experts.{j}.{p}"] for p in PARAMS] for j in range(num_experts)]
+    xl = x.clone().requires_grad_()
+    y, aux, keep, chosen = forward(leaves["router.weight"], experts, xl, k, capacity_factor)
+    names, inputs = ["x", *leaves], [xl, *leaves.values()]
+    grads = torch.autograd.grad((y * g).sum() + c * aux, inputs, allow_unused=True)
+    return {"y": y.detach(), "aux": aux.detach(),
+            "grads": {n: torch.zeros_like(t) if gr is None else gr
+                      for n, t, gr in zip(names, inputs, grads)},
+            "kept": torch.bincount(chosen[keep], minlength=num_experts)}
+
+
+def per_token_truth(parts, state, x, g, k, capacity_factor, c=C_AUX) -> dict:
+    """:func:`layer_truth` of :func:`per_token_layer` with ``parts``, described for the grader,
+    or ``{"error": ...}`` where ``parts`` could not run (a helper not written yet)."""
+    try:
+        truth = layer_truth(functools.partial(per_token_layer, parts), state, x, g, k,
+                            capacity_factor, c)
+    except Exception as exc:  # noqa: BLE001 - reported to the grader
+        return {"error": (f"{type(exc).__name__}: {exc}" if str(exc) else
+                          type(exc).__name__)[:300]}
+    return {"y": describe(truth["y"]), "aux": describe(truth["aux"]),
+            "grads": {n: describe(t) for n, t in truth["grads"].items()},
+            "kept": describe(truth["kept"])}
+
+
+class LayerModule(nn.Module):
+    """MoELayer's attributes and parameter names with ``forward`` (:func:`per_token_layer`'s
+    arguments after ``parts``) as its computation: ``module(x) -> (y, aux)``."""
+
+    def __init__(self, forward, d_model, hidden, num_experts, k=2, capacity_factor=1.25):
+        super().__init__()
+        self.router = nn.Linear(d_model, num_experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(),
+                                                   nn.Linear(hidden, d_model))
+                                     for _ in range(num_experts))
+        self.num_experts, self.k, self.capacity_factor = num_experts, k, capacity_factor
+        self.compute = forward
+
+    def forward(self, x):
+        experts = [[e[0].weight, e[0].bias, e[2].weight, e[2].bias] for e in self.experts]
+        return self.compute(self.router.weight, experts, x, self.k, self.capacity_factor)[:2]
+
+
 # ---------------------------------------------------------------------------- what a rank sends
-
-
 
 def error_of(call) -> str:
     """What ``call()`` raised, as ``"Type: message"`` ("nothing" if it returned)."""
@@ -152,10 +233,10 @@ def _attributes(ep, moe, group) -> dict:
     }
 
 
-def ep_case(cls, moe_class, seed, n, r, group, c) -> dict:
+def ep_case(cls, moe_class, parts, seed, n, r, group, c) -> dict:
     """From ``moe`` (the dense layer of case ``c``): ``cls.from_moe``, its attributes, one
     forward on this rank's tokens and backward of (y * g).sum() + C_AUX * aux; the outputs,
-    gradients, and what each pass sent."""
+    gradients, and what each pass sent; the per-token truth on this rank's tokens."""
     capacity_factor = EP_CASES[c][0]
     state = ep_state(seed, n, c)
     moe = load_moe(moe_class, state, K, capacity_factor)
@@ -179,15 +260,16 @@ def ep_case(cls, moe_class, seed, n, r, group, c) -> dict:
         router_grad=describe([None if p.grad is None else p.grad for _, p in _params(router)]),
         expert_grads=describe([[[name, p.grad] for name, p in _params(e)] for e in experts]),
         moe_untouched=all(torch.equal(p.detach(), state[name]) and p.grad is None
-                          for name, p in moe.named_parameters()))
+                          for name, p in moe.named_parameters()),
+        truth=per_token_truth(parts, state, x, g, K, capacity_factor))
     return case
 
 
-def rank_ep(rank, world_size, cls, moe_class, seed):
+def rank_ep(rank, world_size, cls, moe_class, seed, parts):
     out = {}
     for i, group, n, r in my_groups(rank):
         for c in range(len(EP_CASES)):
-            out[(i, c)] = ep_case(cls, moe_class, seed, n, r, group, c)
+            out[(i, c)] = ep_case(cls, moe_class, parts, seed, n, r, group, c)
         if n in BAD_EXPERTS:
             bad = load_moe(moe_class, moe_state(seed + 7, BAD_EXPERTS[n]), 1, 1.0)
             out[(i, "bad")] = {"error": error_of(lambda: cls.from_moe(bad, group))}
@@ -235,6 +317,45 @@ def seeded_model(setup_source: str, moe_class, seed: int):
 
 def train_data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return randn(seed + 1, T_ROWS, MODEL["d_in"]), randn(seed + 2, T_ROWS, MODEL["d_out"])
+
+
+def train_one_process(moe_class, seed: int, source: str, n: int):
+    """``(losses, state)``: one process, the dense model (its MoE layer ``moe_class``), each
+    step's loss the mean over the n chunks of (mse on the chunk + T_AUX * the chunk's aux),
+    plain SGD: what ``train_ep`` on n ranks must reproduce."""
+    model = seeded_model(source, moe_class, seed)
+    x, y = train_data(seed)
+    losses = []
+    for _ in range(T_STEPS):
+        model.zero_grad(set_to_none=True)
+        total = 0
+        for xs, ys in zip(x.tensor_split(n), y.tensor_split(n)):
+            pred, aux = model(xs)
+            total = total + F.mse_loss(pred, ys) + T_AUX * aux
+        loss = total / n
+        loss.backward()
+        losses.append(loss.item())
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= T_LR * p.grad
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def per_token_training(parts, seed: int, source: str) -> dict:
+    """:func:`train_one_process` with the per-token layer routed by ``parts``, for every group
+    size, described for the grader (``{"error": ...}`` where ``parts`` could not run)."""
+    layer = functools.partial(LayerModule, functools.partial(per_token_layer, parts))
+    out = {}
+    for n in sorted({len(members) for _, members in GROUPS}):
+        try:
+            losses, state = train_one_process(layer, seed, source, n)
+        except Exception as exc:  # noqa: BLE001 - reported to the grader
+            return {"error": (f"{type(exc).__name__}: {exc}" if str(exc) else
+                              type(exc).__name__)[:300]}
+        out[n] = {"losses": list(map(float, losses)),
+                  "state": {k: describe(v) for k, v in state.items()}}
+    return out
 
 
 def rank_train(rank, world_size, fn, moe_class, seed, setup_source):
