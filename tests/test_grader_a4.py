@@ -12,11 +12,20 @@ points; each names the one check it must fail, and every other check of the run 
 correct but slow ``BucketedDDP`` loses its speed check only (or none, where the machine cannot
 show the reference's speedup); correct variants the text allows keep every point.
 
-Tier: both: reference full marks and stub zero are quick (one grading each); planted bugs are
-full.
+Answer key (``solutions/a4_sharding/answer_key.py``): each value check of the four plain
+functions is split into a public check on fixed cases (their expected values are data,
+``public_cases.json``, written from the key: a test keeps the two equal) and a hidden check on
+fresh random cases against the key. Without the key (``AUTOGRADER_ANSWER_KEY=absent``, the
+student's view) the reference earns every public point and the hidden checks are reserved; the
+grader's own expectations for the classes (torch's chunks, torch's optimizers' state, the
+buckets) agree with the key (unit tests below, no grading).
+
+Tier: both: reference full marks, the reference without the key and stub zero are quick (one
+grading each), the key's unit tests too; planted bugs are full.
 """
 from __future__ import annotations
 
+import json
 import resource
 import time
 
@@ -24,11 +33,16 @@ import nbformat
 import pytest
 
 from autograder.checking.spec import functions_of, load_spec
+from autograder.keys import RESERVED, WITHOUT_KEY_ENV, answer_key, is_reserved
 from conftest import (REPO, assert_full_marks, assert_stubs_score_zero, grade, plant_bugs,
                       points_by_function)
 
 SOURCE = REPO / "solutions" / "a4_sharding" / "sharding.ipynb"
 RELEASE = REPO / "assignments" / "a4_sharding" / "sharding.ipynb"
+SPEC = load_spec("a4_sharding")
+#: The hidden checks: fresh random cases against the answer key, one per plain function.
+HIDDEN = {"assign_buckets_hidden_random_cases", "shard_bounds_hidden_random_cases",
+          "model_state_bytes_hidden_random_sizes", "comm_bytes_per_step_hidden_random_sizes"}
 
 # function -> (text in the reference answer cell, replacement that breaks it); each fails its
 # function's value check (its ValueError check still passes: that part is not broken), and the
@@ -187,6 +201,121 @@ def test_released_stubs_score_zero_with_readable_messages(offline_env):
     assert_stubs_score_zero(report)
 
 
+@pytest.mark.slow
+def test_without_the_key_the_reference_earns_every_public_point(offline_env):
+    """The student's view (no answer key): every public check passes (the speed check is not
+    run here), every hidden one is SKIPPED as reserved (never earned or lost), and each
+    function keeps a public check; the released stubs earn nothing there either."""
+    env = {**offline_env, WITHOUT_KEY_ENV: "absent"}
+    report = grade(SOURCE, "--speed", "skip", env=env)
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    hidden = {c.name for c in SPEC.checks if c.hidden}
+    assert hidden == HIDDEN
+    speed = {c.name for c in SPEC.checks if c.speed}
+    results = {r["name"]: r for r in report["results"]}
+    assert set(results) == {c.name for c in SPEC.checks}, report["stdout"]
+    for name, r in results.items():
+        if name in hidden:
+            assert is_reserved(r) and r["message"] == RESERVED and r["points"] == 0, r
+        elif name in speed:
+            assert r["status"] == "skipped" and not is_reserved(r), r
+        else:
+            assert r["status"] == "passed" and r["points"] == r["max_points"], r
+    public = SPEC.public_points() - sum(c.points for c in SPEC.checks if c.speed)
+    assert report["score"] == public == 41, report["stdout"]
+    assert "4 more when your instructor grades" in report["stdout"], report["stdout"]
+    assert {c.function for c in SPEC.checks if not c.hidden} == {f.name for f in SPEC.functions}
+    # every hidden check has a public one beside it, of the same function
+    for name in HIDDEN:
+        function = SPEC.check(name).function
+        assert any(c.function == function and not c.hidden and not c.speed and
+                   "rejects" not in c.name for c in SPEC.checks), name
+    stubs = grade(RELEASE, "--speed", "skip", env=env)
+    assert_stubs_score_zero(stubs)
+
+
+# ---------------------------------------------------------------- the key and the public data
+# (no grading: the key's functions and the grader's own expectations, in this process)
+
+def _key():
+    key = answer_key("a4_sharding")
+    assert key is not None, "solutions/a4_sharding/answer_key.py is missing"
+    return key
+
+
+def test_public_cases_json_is_what_the_key_writes():
+    """The public fixed cases and their expected values are data, written from the key
+    (``python solutions/a4_sharding/answer_key.py``): the two never drift; and the data holds
+    the four plain functions' fixed cases only (no hidden case: those are drawn per run)."""
+    from autograder.assignments.a4_sharding.judging import PUBLIC_CASES
+
+    stored = json.loads(PUBLIC_CASES.read_text())
+    assert stored == _key().public_cases()
+    assert set(stored) == {"assign_buckets", "shard_bounds", "model_state_bytes",
+                           "comm_bytes_per_step"}
+    assert all(len(cases) >= 20 for cases in stored.values())
+
+
+def test_hidden_cases_are_fresh_each_run_and_the_keys_values():
+    import random
+
+    key = _key()
+    for name in ("assign_buckets", "shard_bounds", "model_state_bytes", "comm_bytes_per_step"):
+        a, want = key.hidden_cases(name, random.Random(1))
+        b, _ = key.hidden_cases(name, random.Random(2))
+        assert a and a != b and len(want) == len(a)
+        assert want == [key.REFERENCES[name](*args, **kwargs) for args, kwargs in a]
+
+
+def test_the_graders_chunks_are_the_keys_shard_bounds():
+    """ShardedOptimizer's, ShardedLinear's and apply_fsdp's checks take each rank's shard from
+    torch.chunk (what the text promises in Part 3), not from a copy of shard_bounds: the two
+    agree on every size the checks use and more."""
+    from autograder.assignments.a4_sharding.expected import chunk_bounds
+
+    key = _key()
+    for numel in range(0, 70):
+        for world in range(1, 10):
+            assert chunk_bounds(numel, world) == [key.shard_bounds(numel, world, r)
+                                                  for r in range(world)], (numel, world)
+
+
+def test_the_graders_optimizer_state_is_the_state_per_element():
+    """.optimizer's state bytes are compared with what torch's own optimizer keeps for a
+    parameter of the shard's size: one float64 buffer per element for SGD with momentum, two
+    for AdamW, none for an empty shard."""
+    from autograder.assignments.a4_sharding.expected import optimizer_state_of
+    from autograder.assignments.a4_sharding.runs import OPT_CASES
+
+    per_element = {"SGD": 1, "AdamW": 2}
+    for _, name, kwargs in OPT_CASES:
+        for elements in (0, 1, 4, 12, 34):
+            assert optimizer_state_of(name, kwargs, elements) == \
+                elements * per_element[name] * 8, (name, kwargs, elements)
+
+
+def test_the_ddp_cases_show_what_their_checks_need():
+    """With the key's buckets: the main model has several buckets and parameter 0 in the last
+    one (so the first all-reduce can precede its gradient); the late model's buckets differ in
+    size (the all-reduces' sizes name them); the speed model has the text's 6 buckets."""
+    from autograder.assignments.a4_sharding.ddp_ranks import ddp_model
+    from autograder.assignments.a4_sharding.runs import (DDP_CASES, DDP_LATE, DDP_MAIN,
+                                                         ddp_numels)
+    from autograder.assignments.a4_sharding.timing import (SPEED_BUCKET_BYTES, SPEED_BUCKETS,
+                                                           SPEED_SHAPE)
+
+    key = _key()
+    main = key.assign_buckets(ddp_numels(DDP_MAIN), DDP_CASES[DDP_MAIN][1], 8)
+    assert len(main) > 1 and 0 not in main[0] and 0 in main[-1]
+    late_numels = ddp_numels(DDP_LATE)
+    late = [sum(late_numels[j] for j in b)
+            for b in key.assign_buckets(late_numels, DDP_CASES[DDP_LATE][1], 8)]
+    assert len(set(late)) == len(late) > 1
+    speed = [p.numel() for p in ddp_model(0, SPEED_SHAPE).parameters() if p.requires_grad]
+    assert len(speed) == 80
+    assert len(key.assign_buckets(speed, SPEED_BUCKET_BYTES, 8)) == SPEED_BUCKETS == 6
+
+
 @pytest.mark.full
 @pytest.mark.slow
 def test_planted_bugs_in_the_sandboxed_functions_lose_their_points_and_no_other(offline_env,
@@ -213,6 +342,48 @@ def test_planted_bugs_in_the_sandboxed_functions_lose_their_points_and_no_other(
     for check in ("model_state_bytes_matches_the_optimizer_state_of_real_runs",
                   "comm_bytes_per_step_matches_the_traffic_of_real_runs"):
         assert status[check]["status"] == "failed" and status[check]["message"], status[check]
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_without_the_key_bucketed_ddp_is_judged_against_the_buckets_it_ran_with(offline_env,
+                                                                               tmp_path):
+    """No key, a broken assign_buckets (forward order): BucketedDDP runs with the reference's
+    assign_buckets (at hand in this repository) and its all-reduces are judged against that
+    helper's buckets, asked in the sandbox, not the submission's: the class keeps every point,
+    assign_buckets loses its public value check, and its hidden one is reserved."""
+    report = grade(with_bugs(tmp_path, {"assign_buckets": LEAF_BUGS["assign_buckets"]}),
+                   "--only", "assign_buckets,BucketedDDP", "--speed", "skip",
+                   env={**offline_env, WITHOUT_KEY_ENV: "absent"})
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    status = {r["name"]: r for r in report["results"]}
+    for name, r in status.items():
+        check = SPEC.check(name)
+        if check.speed:
+            assert r["status"] == "skipped", r
+        elif check.hidden:
+            assert is_reserved(r), r
+        elif name == "assign_buckets_reverse_order_and_size_rule":
+            assert r["status"] == "failed" and "assign_buckets([" in r["message"], r
+        else:
+            assert r["status"] == "passed", report["stdout"]
+
+
+def test_the_buckets_probe_asks_the_helper_the_class_runs_with():
+    """Without the key (the student edition, no reference at hand) BucketedDDP's all-reduces
+    are judged against the buckets of the assign_buckets its __init__ sees: the student's own."""
+    from autograder.assignments.a4_sharding.probes import probe_helper_values
+
+    ns = {"__name__": "__notebook__"}
+    exec("def assign_buckets(param_numels, bucket_bytes, element_size=4):\n"
+         "    return [[i] for i in range(len(param_numels))]\n"
+         "class BucketedDDP:\n"
+         "    def __init__(self, module, bucket_bytes):\n"
+         "        self.buckets = assign_buckets([1], bucket_bytes, 8)\n", ns)
+    got = probe_helper_values(ns, "BucketedDDP", "assign_buckets", [(([3, 4], 8, 8), {})], None)
+    assert got == [{"kind": "list", "items": [
+        {"kind": "list", "items": [{"kind": "plain", "value": 0}]},
+        {"kind": "list", "items": [{"kind": "plain", "value": 1}]}]}]
 
 
 #: assign_buckets' corners that the text settles, each met by fixed cases (every seed): after a

@@ -1,15 +1,23 @@
 """Checks for Assignment 4: memory and sharding.
 
 Graded functions (see the notebook for their specifications): ``assign_buckets``,
-``shard_bounds``, ``model_state_bytes``, ``comm_bytes_per_step`` (called here, in the sandbox,
-on fixed cases for every rule the text states and on cases from the run's seed on top),
+``shard_bounds``, ``model_state_bytes``, ``comm_bytes_per_step`` (called in the sandbox, on
+fixed cases for every rule the text states and, hidden, on cases from the run's seed on top),
 ``BucketedDDP``, ``ShardedOptimizer`` and ``ShardedLinear`` (started on 1, 2 and 3 processes:
 the cases and the shared runs are in ``runs.py``, run case by case by ``cases.py``, so that a
 case that raises fails only the checks that grade it; what each rank runs is in ``ranks.py``
 and ``ddp_ranks.py``; BucketedDDP's step time against the reference's: ``timing.py``), the byte
 counts again against those runs (``traffic.py``), and ``apply_fsdp`` (FSDP2 on 1-D meshes of 1
-and 2 processes and a 2-D mesh of 4: ``fsdp_ranks.py``, judged in ``fsdp_judging.py``). Every
-expectation is computed here, in the grader, from the released contracts (``expected.py``); the
+and 2 processes and a 2-D mesh of 4: ``fsdp_ranks.py``, judged in ``fsdp_judging.py``).
+
+The four functions whose values are graded have each a public check on fixed cases, whose
+expected values are data (``public_cases.json``), and a hidden check on fresh random cases
+against the answer key (``solutions/a4_sharding/answer_key.py``: the instructor's; without it
+the hidden checks SKIP as reserved). Every other expectation is computed here, in the grader,
+from the released contracts, independently of the functions students write (``expected.py``:
+torch's chunks, torch's optimizers, dense float64 computations); BucketedDDP's all-reduces are
+judged against the buckets of the key's ``assign_buckets``, or without the key those of the
+``assign_buckets`` the class runs with (:func:`.runs.ddp_bucket_plans`). The
 collectives are logged by the grader's own hooks on the process group, and FSDP's units read
 from its own state, never reported by the student. Points and call timeouts: ``spec.py``.
 """
@@ -20,7 +28,8 @@ import torch
 from autograder.checking.expect import assert_close, sequence, tensor
 
 from . import expected
-from .judging import judge_value_errors, judge_values, returned_values, seeded_rng, zero_sizes
+from .judging import (judge_hidden_cases, judge_value_errors, judge_values, public_cases,
+                      returned_values)
 from .runs import (ALLOWED, DDP_LATE, DDP_MAIN, DDP_UNUSED, OPT_PER_RANK, OPT_STEPS,
                    assert_holds_its_shard, ddp_each, ddp_where, judge_ddp_all_reduces,
                    judge_ddp_grads, linear_each, optimizer_each, optimizer_where, shard_param)
@@ -34,27 +43,18 @@ ASSIGNMENT = SPEC.assignment
 
 
 # ---------------------------------------------------------------------------- assign_buckets
+# Each value check in two: the public fixed cases (their expected values are data,
+# public_cases.json) and fresh random cases against the answer key (hidden: the instructor's).
 
 @graded
 def test_assign_buckets_reverse_order_and_size_rule(student):
-    rng, seed = seeded_rng()
-    cases = [(([3, 0, 5, 2, 10], 16), {}), (([], 8), {}), (([0, 0, 0], 4), {}),
-             (([2, 2, 2, 2], 16), {}), (([100, 1, 1], 8), {}), (([1, 1, 100], 8), {}),
-             (([3, 3, 0, 1], 12), {}), (([7], 1), {}), (([1, 2, 3, 4, 5], 10), {"element_size": 2}),
-             (([4, 4, 4], 64), {"element_size": 8}), (([5, 5, 5], 20), {"element_size": 4}),
-             # a zero-size parameter after one larger than bucket_bytes starts a new bucket
-             (([0, 100], 8), {}), (([2, 0, 9, 0, 1], 8), {}), (([0, 0, 3], 4), {"element_size": 2}),
-             # a bucket exactly full, then a zero-size parameter: it joins (bytes not exceeded)
-             (([0, 4], 16), {}), (([1, 0, 2, 2], 16), {}), (([0, 0, 3, 1], 8), {"element_size": 2}),
-             # a zero-size parameter alone is a bucket that is not empty: the next one is new
-             (([7, 0], 8), {}), (([3, 0, 0], 4), {"element_size": 8})]
-    for _ in range(6):  # sizes from the run's seed, zero-size parameters among them
-        numels = [0 if rng.random() < 0.2 else rng.randint(1, 60)
-                  for _ in range(rng.randint(1, 30))]
-        cases.append(((numels, rng.choice([8, 40, 100, 256, 1000])),
-                      {"element_size": rng.choice([1, 2, 4, 8])}))
-    want = [expected.buckets(a[0], a[1], k.get("element_size", 4)) for a, k in cases]
-    judge_values(student, "assign_buckets", cases, want, seed)
+    cases, want = public_cases("assign_buckets")
+    judge_values(student, "assign_buckets", cases, want, None)
+
+
+@graded
+def test_assign_buckets_hidden_random_cases(student):
+    judge_hidden_cases(student, "assign_buckets")
 
 
 @graded
@@ -67,16 +67,13 @@ def test_assign_buckets_rejects_non_positive_bucket_bytes(student):
 
 @graded
 def test_shard_bounds_ceil_chunks_and_empty_shards(student):
-    rng, seed = seeded_rng()
-    sizes = [(10, 3), (0, 1), (0, 4), (1, 4), (4, 3), (7, 7), (5, 8), (100, 1), (9, 4),
-             (10 ** 12 + 1, 7), (10 ** 12, 4096)]
-    sizes += [(rng.randint(0, 10 ** 6), rng.randint(1, 64)) for _ in range(6)]
-    cases = []
-    for numel, world in sizes:
-        ranks = range(world) if world <= 16 else sorted({0, 1, world // 2, world - 2, world - 1})
-        cases += [((numel, world, r), {}) for r in ranks]
-    want = [expected.shard(*args) for args, _ in cases]
-    judge_values(student, "shard_bounds", cases, want, seed, pair=True)
+    cases, want = public_cases("shard_bounds")
+    judge_values(student, "shard_bounds", cases, [tuple(w) for w in want], None, pair=True)
+
+
+@graded
+def test_shard_bounds_hidden_random_cases(student):
+    judge_hidden_cases(student, "shard_bounds", pair=True)
 
 
 @graded
@@ -90,11 +87,13 @@ def test_shard_bounds_rejects_invalid_arguments(student):
 
 @graded
 def test_model_state_bytes_every_stage_and_precision(student):
-    rng, seed = seeded_rng()
-    cases = [((p, w), {"stage": s, "mixed_precision": m}) for p, w in zero_sizes(rng)
-             for s in range(4) for m in (False, True)]
-    want = [expected.state_bytes(*a, k["stage"], k["mixed_precision"]) for a, k in cases]
-    judge_values(student, "model_state_bytes", cases, want, seed)
+    cases, want = public_cases("model_state_bytes")
+    judge_values(student, "model_state_bytes", cases, want, None)
+
+
+@graded
+def test_model_state_bytes_hidden_random_sizes(student):
+    judge_hidden_cases(student, "model_state_bytes")
 
 
 @graded
@@ -108,15 +107,13 @@ def test_model_state_bytes_rejects_invalid_arguments(student):
 
 @graded
 def test_comm_bytes_per_step_every_stage(student):
-    rng, seed = seeded_rng()
-    cases = []
-    for k, (p, w) in enumerate(zero_sizes(rng)):
-        for s in range(4):
-            cases.append(((p, w), {"stage": s}))  # the default element size
-            # every element size at every stage, in turn over the sizes: fixed, not drawn
-            cases.append(((p, w), {"stage": s, "element_size": (1, 2, 4, 8)[(k + s) % 4]}))
-    want = [expected.comm_bytes(*a, k["stage"], k.get("element_size", 4)) for a, k in cases]
-    judge_values(student, "comm_bytes_per_step", cases, want, seed)
+    cases, want = public_cases("comm_bytes_per_step")
+    judge_values(student, "comm_bytes_per_step", cases, want, None)
+
+
+@graded
+def test_comm_bytes_per_step_hidden_random_sizes(student):
+    judge_hidden_cases(student, "comm_bytes_per_step")
 
 
 @graded
@@ -159,10 +156,11 @@ def test_sharded_optimizer_state_bytes_per_rank(student):
         numel = sum(p.numel() for p in expected.seeded_model(kind, 0).parameters())
         start, end = assert_holds_its_shard(r["owned"], numel, world, rank, where,
                                             ".optimizer holds")
-        want = (end - start) * expected.optimizer_state_per_element(name, kwargs) * 8
+        want = expected.optimizer_state_of(name, kwargs, end - start)
         assert r["state_bytes"] == want, (
             f"{where}: .optimizer's state tensors hold {r['state_bytes']} bytes, expected {want} "
-            f"({end - start} float64 element(s) of shard times the state per element)")
+            f"({end - start} float64 element(s) of shard times the state per element: what "
+            f"torch.optim.{name} keeps for a parameter of that size)")
 
 
 @graded
@@ -232,10 +230,11 @@ def test_bucketed_ddp_a_bucket_that_completes_early_waits_for_those_before_it(st
 
 @graded
 def test_bucketed_ddp_first_all_reduce_before_parameter_0_gradient(student):
-    for seed, world, rank, i, step, reply, _, buckets in ddp_each(student, [DDP_MAIN]):
+    # the case can show overlap: several buckets, parameter 0 in the last one (a test of the
+    # grader's asserts it with the answer key)
+    for seed, world, rank, i, step, reply, _ in ddp_each(student, [DDP_MAIN]):
         if world < 2:
             continue
-        assert len(buckets) > 1 and 0 not in buckets[0][0]  # the case can show overlap
         where = ddp_where(world, rank, i, step)
         kinds = [e[0] for e in reply["events"]]
         assert "grad of parameter 0" in kinds, \

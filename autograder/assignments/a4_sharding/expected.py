@@ -1,6 +1,9 @@
 """Assignment 4's expectations, computed in the grader from the released contracts (not from
-the student's code): bucket assignment, shard bounds, ZeRO's bytes, and one-process training
-with the same optimizer on the full batch."""
+the student's code), independently of the functions the students write: each rank's chunk of a
+flat vector as ``torch.chunk`` cuts it, the optimizer state torch's own optimizers keep,
+one-process training with the same optimizer on the full batch, dense layers and models in
+float64. (The reference versions of the graded functions live in the answer key,
+``solutions/a4_sharding/answer_key.py``, which the student edition has not.)"""
 from __future__ import annotations
 
 import copy
@@ -8,51 +11,29 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from .ranks import make_data, seeded_model, step_rows
+from .ranks import make_data, optimizer_state_nbytes, seeded_model, step_rows
 
 
-def buckets(numels: list[int], bucket_bytes: int, element_size: int) -> list[list[int]]:
-    """The contract's walk: last index first; a new bucket iff the current one is not empty and
-    its bytes plus the next parameter's exceed ``bucket_bytes`` (so a zero-size parameter after
-    one larger than ``bucket_bytes`` starts a new bucket, as the text says)."""
-    out: list[list[int]] = []
-    current, size = [], 0
-    for i in range(len(numels) - 1, -1, -1):
-        b = numels[i] * element_size
-        if current and size + b > bucket_bytes:
-            out.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += b
-    return out + ([current] if current else [])
+def chunk_bounds(numel: int, world: int) -> list[tuple[int, int]]:
+    """Every rank's ``(start, end)`` in a flat vector of ``numel`` elements split over ``world``
+    ranks, as the text promises them (Part 3): the chunks of ``torch.chunk`` (ceil(numel /
+    world) elements each, the last one fewer), ``(numel, numel)`` (empty) for the ranks past
+    the last chunk. Computed by torch on the elements' indices; for the grader's small
+    vectors (layers and models of at most a few dozen elements or rows)."""
+    chunks = [c for c in torch.arange(numel).chunk(world) if c.numel()]
+    bounds = [(int(c[0]), int(c[-1]) + 1) for c in chunks]
+    return bounds + [(numel, numel)] * (world - len(bounds))
 
 
-def shard(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    c = -(-numel // world_size)
-    start = min(rank * c, numel)
-    return start, min(start + c, numel)
-
-
-def state_bytes(num_params: int, world_size: int, stage: int, mixed: bool) -> int:
-    per = (2, 2, 12) if mixed else (4, 4, 8)
-    c = -(-num_params // world_size)
-    held = [c if stage >= s else num_params for s in (3, 2, 1)]  # params, grads, state
-    return sum(b * n for b, n in zip(per, held))
-
-
-def comm_bytes(num_params: int, world_size: int, stage: int, element_size: int) -> int:
-    k = 3 if stage == 3 else 2
-    return (k * (world_size - 1) * num_params * element_size) // world_size
-
-
-#: float64 state elements per parameter element of each case's optimizer (SGD with momentum
-#: keeps one buffer, AdamW two moments); :func:`optimizer_state_per_element` checks the kwargs.
-def optimizer_state_per_element(optimizer_name: str, kwargs: dict) -> int:
-    if optimizer_name == "SGD":
-        assert kwargs.get("momentum", 0) > 0
-        return 1
-    assert optimizer_name == "AdamW" and not kwargs.get("amsgrad", False)
-    return 2
+def optimizer_state_of(optimizer_name: str, kwargs: dict, elements: int) -> int:
+    """Bytes of the state tensors (not scalars) that ``torch.optim.<optimizer_name>(**kwargs)``
+    keeps for one float64 parameter of ``elements`` elements after a step: what
+    ``.optimizer`` over a shard of that size keeps (torch's own count, computed here)."""
+    param = torch.zeros(elements, dtype=torch.float64, requires_grad=True)
+    param.grad = torch.ones_like(param)
+    optimizer = getattr(torch.optim, optimizer_name)([param], **kwargs)
+    optimizer.step()
+    return optimizer_state_nbytes(optimizer)
 
 
 def one_process(kind: str, seed: int, optimizer_name: str, kwargs: dict, steps: int,
@@ -119,7 +100,7 @@ def linear_case(seed: int, case, world_size: int) -> dict:
         grads.append(torch.cat(parts))
     mean = torch.stack(grads).mean(0)
     numel = flat_init.numel()
-    bounds = [shard(numel, world_size, r) for r in range(world_size)]
+    bounds = chunk_bounds(numel, world_size)
     return {"numel": numel, "weight_numel": in_f * out_f, "bounds": bounds,
             "initial": [flat_init[s:e] for s, e in bounds], "outputs": outputs,
             "input_grads": input_grads, "grads": [mean[s:e] for s, e in bounds]}
@@ -127,11 +108,12 @@ def linear_case(seed: int, case, world_size: int) -> dict:
 
 def fsdp_local_shapes(kind: str, shards: int, coordinate: int) -> list[tuple[str, list[int]]]:
     """(name, local shape) of each parameter of ``kind`` sharded on dim 0 over ``shards``
-    ranks: the :func:`shard` of its rows that the rank at ``coordinate`` holds (FSDP2 chunks
-    dim 0 as ``torch.chunk`` does: ceil(rows / shards) rows each, the last ones fewer)."""
+    ranks: the chunk of its rows that the rank at ``coordinate`` holds (FSDP2 chunks dim 0 as
+    ``torch.chunk`` does: ceil(rows / shards) rows each, the last ones fewer; Part 3's bounds,
+    :func:`chunk_bounds`)."""
     out = []
     for name, p in seeded_model(kind, 0).named_parameters():
-        start, end = shard(p.shape[0], shards, coordinate)
+        start, end = chunk_bounds(p.shape[0], shards)[coordinate]
         out.append((name, [end - start, *p.shape[1:]]))
     return out
 

@@ -1,13 +1,17 @@
 """How Assignment 4's checks judge plain answers (ints, pairs, lists of indices, ValueErrors)
-that probes bring back from calls in the sandbox, the sizes the byte counts are graded on, and
-the multi-process runs the classes' checks share; runs in the grader."""
+that probes bring back from calls in the sandbox: on the public fixed cases (data:
+``public_cases.json``) and on the hidden checks' random cases (from the answer key, where it
+is); and the multi-process runs the classes' checks share; runs in the grader."""
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 from autograder.checking.expect import fresh_generator
 from autograder.checking.reference import reference_cells
 from autograder.checking.timeouts import call_timeout
+from autograder.keys import answer_key
 
 from .probes import probe_calls
 from .spec import SPEC
@@ -79,11 +83,25 @@ def judge_value_errors(student, name: str, cases):
             f"{call} raised {reply.get('raised')}, expected ValueError"
 
 
-def zero_sizes(rng) -> list[tuple[int, int]]:
-    """(parameters, world size) pairs for the byte counts: up to 10**12, empty, uneven."""
-    params = [0, 1, 7, 10, 1_000_003, 10 ** 12, 10 ** 12 + 3, rng.randint(1, 10 ** 9)]
-    worlds = [1, 2, 3, 8, rng.randint(4, 1024)]
-    return [(p, w) for p in params for w in worlds]
+#: The public checks' fixed cases and their expected values, as data (written from the answer
+#: key, ``solutions/a4_sharding/answer_key.py``; a test keeps the two equal).
+PUBLIC_CASES = Path(__file__).with_name("public_cases.json")
+
+
+def public_cases(name: str) -> tuple[list, list]:
+    """(cases ``(args, kwargs)``, expected values) of ``name``'s public fixed cases."""
+    rows = json.loads(PUBLIC_CASES.read_text())[name]
+    return [(tuple(r["args"]), dict(r["kwargs"])) for r in rows], [r["expected"] for r in rows]
+
+
+def judge_hidden_cases(student, name: str, *, pair: bool = False) -> None:
+    """``name`` on fresh random cases from the run's seed against the answer key (a hidden
+    check: the harness SKIPs it where the key is absent)."""
+    key = answer_key(SPEC.assignment)
+    assert key is not None, "a hidden check ran without the answer key"
+    rng, seed = seeded_rng()
+    cases, want = key.hidden_cases(name, rng)
+    judge_values(student, name, cases, want, seed, pair=pair)
 
 
 def runs_per_world_size(student, key: str, owner: str, probe, helper: str | None, *args,

@@ -61,6 +61,21 @@ def _run_class(ns, name, rank_fn, world_size, helper_cells, cases, *args):
         return run_cases(rank_fn, world_size, cases, cls, *args)
 
 
+def probe_helper_values(ns, name, helper, cases, helper_cells):
+    """What the graded function ``helper`` returns on each ``(args, kwargs)`` of ``cases``, as
+    the class ``name`` calls it while graded (:func:`_run_class`: the reference's where the
+    reference is at hand, else the student's own), described: what the class's checks judge it
+    against where the grader has no answer key of its own."""
+    cls = _lookup(ns, name)
+    init = getattr(cls, "__init__", None)
+    from_notebook = hasattr(init, "__globals__")
+    with reference_helpers(init, helper_cells if from_notebook else None, [helper]):
+        fn = (init.__globals__ if from_notebook else ns).get(helper)
+        if fn is None:
+            raise LookupError(f"{helper} is not defined: did its cell run without errors?")
+        return [describe(fn(*args, **kwargs)) for args, kwargs in cases]
+
+
 def probe_sharded_optimizer(ns, world_size, seed, cases, steps, per_rank, helper_cells):
     return _run_class(ns, "ShardedOptimizer", rank_sharded_optimizer_case, world_size,
                       helper_cells, cases, seed, steps, per_rank)

@@ -120,7 +120,7 @@ def step_rows(step: int, per_rank: int, world_size: int, rank: int | None = None
 
 # ---------------------------------------------------------------------------- ShardedOptimizer
 
-def state_bytes(optimizer) -> int:
+def optimizer_state_nbytes(optimizer) -> int:
     """Bytes of an optimizer's state tensors that have at least one dimension (not scalars
     such as AdamW's ``step``)."""
     return sum(t.numel() * t.element_size() for state in optimizer.state.values()
@@ -174,7 +174,7 @@ def rank_sharded_optimizer_case(rank, world_size, i, case, cls, seed, steps, per
             "optimizer": f"{type(inner).__module__}.{type(inner).__qualname__}",
             "is_optimizer": is_optimizer, "held": len(held),
             "owned": sum(p.numel() for p in held) if is_optimizer else None,
-            "state_bytes": state_bytes(inner) if is_optimizer else None}
+            "state_bytes": optimizer_state_nbytes(inner) if is_optimizer else None}
 
 
 # ---------------------------------------------------------------------------- ShardedLinear

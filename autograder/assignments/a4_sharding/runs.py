@@ -1,18 +1,25 @@
 """Assignment 4's classes in the grader: the cases of the multi-process runs that each class's
 checks share (one run per world size, :func:`~.judging.runs_per_world_size`, case by case:
 :mod:`.cases`), and walks over what every rank of those runs replied, next to what it should be
-(:mod:`.expected`). A walk asks for the cases its check grades; a case that raised fails the
-walk with that case's error, and no other case's."""
+(:mod:`.expected`; BucketedDDP's buckets: :func:`ddp_bucket_plans`). A walk asks for the
+cases its check grades; a case that raised fails the walk with that case's error, and no other
+case's."""
 from __future__ import annotations
 
 import torch
 
 from autograder.checking.expect import assert_close, sequence, tensor
+from autograder.checking.reference import reference_cells
+from autograder.keys import answer_key
 
 from . import expected
-from .judging import runs_per_world_size
-from .probes import (probe_apply_fsdp, probe_bucketed_ddp, probe_sharded_linear,
-                     probe_sharded_optimizer)
+from .ddp_ranks import ddp_model
+from .judging import plain, runs_per_world_size
+from .probes import (probe_apply_fsdp, probe_bucketed_ddp, probe_helper_values,
+                     probe_sharded_linear, probe_sharded_optimizer)
+from .spec import SPEC
+
+ASSIGNMENT = SPEC.assignment
 
 TAMPERED = "the probe's reply was tampered with"
 
@@ -96,29 +103,57 @@ DDP_NAMES = ("the main model", "the model with an unused parameter",
 DDP_STEPS, DDP_PER_RANK, DDP_LR = 3, 2, 0.1
 
 
-def ddp_buckets(case: int, world: int, seed: int):
-    """(each step's gradients in one process, the buckets as (indices, elements)) of a case."""
-    shape, bucket_bytes = DDP_CASES[case]
-    want, numels = expected.one_process_ddp(seed + 101 * case, shape, DDP_STEPS, DDP_PER_RANK,
-                                            world, DDP_LR)
-    return want, [(b, sum(numels[j] for j in b))
-                  for b in expected.buckets(numels, bucket_bytes, 8)]
+def ddp_numels(case: int) -> list[int]:
+    """The elements of each managed parameter of a case's model (its shape alone sets them)."""
+    shape, _ = DDP_CASES[case]
+    return [p.numel() for p in ddp_model(0, shape).parameters() if p.requires_grad]
+
+
+def ddp_bucket_plans(student) -> list[list[tuple[list[int], int]]]:
+    """Each case's buckets as (indices, elements), in bucket order: what ``assign_buckets``
+    gives for the case's float64 parameters and bucket bytes, as the text has the class build
+    them ("the buckets come from your assign_buckets"). Where the answer key is, the key's
+    (the class then runs with the reference's helper); without it (the student edition), those
+    of the ``assign_buckets`` the class runs with (the student's own there: the reference's
+    where the reference is at hand), asked in the sandbox, so that the class is judged against
+    the buckets it was given."""
+    calls = [(ddp_numels(i), bucket_bytes, 8) for i, (_, bucket_bytes) in enumerate(DDP_CASES)]
+    key = answer_key(ASSIGNMENT)
+    if key is not None:
+        plans = [key.assign_buckets(*args) for args in calls]
+    else:
+        def run():
+            cells = reference_cells(ASSIGNMENT, ["setup", "assign_buckets"])
+            replies = student.call(probe_helper_values, "BucketedDDP", "assign_buckets",
+                                   [(args, {}) for args in calls], cells)
+            assert isinstance(replies, list) and len(replies) == len(calls), TAMPERED
+            return [plain(r, f"assign_buckets{args}, whose buckets BucketedDDP is judged "
+                             "against,") for r, args in zip(replies, calls)]
+        plans = student.shared("ddp-buckets", run)
+    out = []
+    for args, plan in zip(calls, plans):
+        numels = args[0]
+        assert isinstance(plan, list) and all(isinstance(b, list) for b in plan) and sorted(
+            j for b in plan for j in b) == list(range(len(numels))), (
+            f"assign_buckets{args} returned {plan}, which does not hold each parameter's index "
+            "once; BucketedDDP's all-reduces are judged against the buckets it returns")
+        out.append([(b, sum(numels[j] for j in b)) for b in plan])
+    return out
 
 
 def ddp_each(student, cases):
-    """(seed, world, rank, case index, step, that step's reply, expected gradients, buckets
-    as (indices, elements))."""
+    """(seed, world, rank, case index, step, that step's reply, expected gradients)."""
     seed, runs = runs_per_world_size(student, "ddp", "bucketed_ddp_gradients_match_one_process",
                                      probe_bucketed_ddp, "assign_buckets", DDP_CASES, DDP_STEPS,
                                      DDP_PER_RANK, DDP_LR)
     wants = {}
     for world, i, rank, replies in _walk(runs, DDP_CASES, cases, 1, ddp_where, False):
         if (world, i) not in wants:
-            wants[world, i] = ddp_buckets(i, world, seed)
-        want, buckets = wants[world, i]
+            wants[world, i], _ = expected.one_process_ddp(seed + 101 * i, DDP_CASES[i][0],
+                                                          DDP_STEPS, DDP_PER_RANK, world, DDP_LR)
         assert isinstance(replies, list) and len(replies) == DDP_STEPS, TAMPERED
         for step, reply in enumerate(replies):
-            yield seed, world, rank, i, step, reply, want[step], buckets
+            yield seed, world, rank, i, step, reply, wants[world, i][step]
 
 
 def ddp_where(world, rank, case, step=None) -> str:
@@ -128,7 +163,7 @@ def ddp_where(world, rank, case, step=None) -> str:
 
 
 def judge_ddp_grads(student, cases):
-    for seed, world, rank, i, step, reply, want, _ in ddp_each(student, cases):
+    for seed, world, rank, i, step, reply, want in ddp_each(student, cases):
         where = ddp_where(world, rank, i, step)
         grads = sequence(reply["grads"], f"{where}: the gradients", len(want))
         for j, (d, w) in enumerate(zip(grads, want)):
@@ -147,9 +182,13 @@ def judge_ddp_all_reduces(student, case: int, *, only: bool, ordered: bool):
     """On 2 or more ranks, per step, from forward to the end of finish: one all-reduce per
     bucket, of its elements, in bucket order (``ordered``) or in any order; with ``only``, no
     other collective either (the main model's check: the other cases judge their own rule)."""
-    for seed, world, rank, i, step, reply, _, buckets in ddp_each(student, [case]):
+    plans = None
+    for seed, world, rank, i, step, reply, _ in ddp_each(student, [case]):
         if world < 2:
             continue  # counts are graded on 2 or more ranks only
+        if plans is None:  # after the run: a class that raises fails with its own error
+            plans = ddp_bucket_plans(student)
+        buckets = plans[i]
         where = ddp_where(world, rank, i, step)
         got = [(e[0], e[1]) for e in reply["events"] if len(e) == 3]
         if not only:
@@ -198,7 +237,7 @@ def assert_holds_its_shard(count: int, numel: int, world: int, rank: int, where:
                            holder: str) -> tuple[int, int]:
     """Assert that ``holder`` (".optimizer holds", "the layer stores") has exactly rank
     ``rank``'s share of ``numel`` elements over ``world`` ranks; return that share's bounds."""
-    start, end = expected.shard(numel, world, rank)
+    start, end = expected.chunk_bounds(numel, world)[rank]
     assert count == end - start, (
         f"{where}: {holder} {count} element(s); rank {rank} owns "
         f"shard_bounds({numel}, {world}, {rank}) = ({start}, {end})")

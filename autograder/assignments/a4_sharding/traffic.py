@@ -83,7 +83,7 @@ def state_saved_by_sharding(student) -> tuple[int | None, dict]:
     from)}) for the ShardedOptimizer's AdamW cases with P divisible by N: from the run where
     every rank kept the contract's state (two float64 moments of its shard's elements), else
     the contract's."""
-    per_element = 2 * RUN_ELEMENT  # AdamW: two moments (expected.optimizer_state_per_element)
+    per_element = 2 * RUN_ELEMENT  # AdamW: two moments (expected.optimizer_state_of)
     adamw = {i: _numel(kind) for i, (kind, name, _) in enumerate(OPT_CASES) if name == "AdamW"}
     kept: dict = {}
     seed = None
