@@ -8,12 +8,15 @@ model.
 
 Each function is graded with the reference versions of the parts it calls, so bugs that break
 different functions are planted together: one grading run holds a bug in each of the four
-functions (train_3d's: the mesh's dimensions in the wrong order). train_3d's other bugs (the
-gradients averaged over the world, losses returned on every stage, micro-batch losses not
-scaled) are one grading each, ``--only train_3d`` (about 5 s each: the 8 processes start from
-the fork server in milliseconds). A pipeline that deadlocks (a gradient never sent back) costs
-one launch timeout (60 s: gloo's receives wait for ever), fails train_3d's three checks together,
-keeps the cost model's points and leaves no process behind.
+functions (train_3d's: the mesh's dimensions in the wrong order), another the bugs of issue #32
+(step_time's bandwidth by ``size * stride <= node_size``, best_config without 1F1B below pp
+micro-batches, train_3d's loss not averaged over dp): each loses exactly the checks that judge
+what it breaks (a ValueError check keeps its point when only the values are wrong).
+train_3d's other bugs (the gradients averaged over the world, losses returned on every stage,
+micro-batch losses not scaled) are one grading each, ``--only train_3d`` (about 5 s each: the 8
+processes start from the fork server in milliseconds). A pipeline that deadlocks (a gradient
+never sent back) costs one launch timeout (60 s: gloo's receives wait for ever), fails
+train_3d's four checks together, keeps the cost model's points and leaves no process behind.
 
 Tier: both: reference full marks (with and without the key), stub zero and the grader's parts
 are quick (one grading each, or none); planted bugs are full.
@@ -29,6 +32,7 @@ from fractions import Fraction
 
 import psutil
 import pytest
+import torch
 
 from conftest import (REPO, assert_grades_full_marks_within, assert_only_these_lose_points,
                       assert_stubs_score_zero, grade, planted_copy, points_by_function)
@@ -56,12 +60,53 @@ BUGS = {
     "train_3d": ('init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))',
                  'init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))'),
 }
-#: train_3d's other bugs: (the bug(s), each applied in turn; text its failures must hold)
+#: The checks each of BUGS fails (the others pass): a value bug keeps its ValueError point.
+BUGS_FAIL = {
+    "per_rank_memory_exact_bytes_on_public_cases",
+    "per_rank_memory_exact_bytes_on_hidden_and_random_cases",
+    "step_time_matches_the_cost_model_on_public_cases",
+    "step_time_matches_the_cost_model_on_hidden_and_random_cases",
+    "best_config_public_cases", "best_config_hidden_cases",
+    "train_3d_state_on_pp2_dp2_tp2_8_ranks_matches_one_process",
+    "train_3d_state_on_three_meshes_of_4_ranks_matches_one_process",
+    "train_3d_losses_match_one_process", "train_3d_each_mode_on_its_own_group",
+}
+#: Issue #32's bugs, planted together: function -> (old, new, the checks it fails, text in each
+#: failure).
+ISSUE_BUGS = {
+    # a group that spans no more ranks than a node is taken as inside one (tp = 3 on nodes of
+    # 8: ranks 6, 7, 8 are on two)
+    "step_time": ("""\
+    for first in range(pp * dp * tp):          # a group's first rank, and its last
+        if first // stride % size == 0 and first // node != (first + (size - 1) * stride) // node:
+            return hw_cfg["inter_bw"]
+    return hw_cfg["intra_bw"]""", """    if size * stride > node:
+        return hw_cfg["inter_bw"]
+    return hw_cfg["intra_bw"]""", {"step_time_matches_the_cost_model_on_public_cases",
+                                   "step_time_matches_the_cost_model_on_hidden_and_random_cases"},
+                  "'node_size': 8"),
+    # torch's Schedule1F1B's limit taken for the cost model's: no 1F1B below pp micro-batches
+    "best_config": ("                try:\n                    memory = max(",
+                    "                if sched == \"1f1b\" and m < pp:\n"
+                    "                    continue\n"
+                    "                try:\n                    memory = max(",
+                    {"best_config_public_cases", "best_config_hidden_cases"}, "with batch"),
+    # the loss of this dp rank's rows only (the gradients still averaged: the weights right)
+    "train_3d": ("            if dp > 1:\n                dist.all_reduce(total, group=dp_group)\n"
+                 "            losses.append(total.item() / dp)\n",
+                 "            losses.append(total.item())\n",
+                 {"train_3d_losses_match_one_process"}, "the loss before update"),
+}
+#: train_3d's other bugs: (the bug(s), each applied in turn; the checks they fail; text each
+#: failure must hold)
+VALUE_CHECKS = {"train_3d_state_on_pp2_dp2_tp2_8_ranks_matches_one_process",
+                "train_3d_state_on_three_meshes_of_4_ranks_matches_one_process",
+                "train_3d_losses_match_one_process"}
 TRAIN_BUGS = {
     "gradients averaged over the world": ([{"train_3d": (
         "            dist.all_reduce(flat, group=dp_group)\n            flat /= dp\n",
         "            dist.all_reduce(flat)\n            flat /= dist.get_world_size()\n")}],
-        "an ALLREDUCE on the world group"),
+        VALUE_CHECKS | {"train_3d_each_mode_on_its_own_group"}, "an ALLREDUCE on the world group"),
     "losses returned on every stage": ([
         {"train_3d": ("    losses = [] if last else None\n", "    losses = []\n")},
         {"train_3d": ("        if last:\n            if dp > 1:\n"
@@ -69,10 +114,10 @@ TRAIN_BUGS = {
                       "            losses.append(total.item() / dp)\n",
                       "        if dp > 1:\n            dist.all_reduce(total, group=dp_group)\n"
                       "        losses.append(total.item() / dp)\n")}],
-        "losses should be None on every stage but the last"),
+        {"train_3d_losses_match_one_process"}, "losses should be None on every stage but the last"),
     "micro-batch losses not scaled": ([{"train_3d": (
-        "tgt.reshape(-1)) / micro_batches\n", "tgt.reshape(-1))\n")}],
-        "is each micro-batch's loss scaled by 1/micro_batches?"),
+        "tgt.reshape(-1)) / micro_batches\n", "tgt.reshape(-1))\n")}], VALUE_CHECKS,
+        None),
 }
 
 
@@ -144,7 +189,7 @@ def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path)
     failure says what is wrong."""
     report = grade(write(tmp_path, "bugs", BUGS), "--speed", "skip", env=offline_env)
     print(report["stdout"])
-    assert_only_these_lose_points(report, BUGS)
+    assert_fails_exactly(report, BUGS_FAIL)
     failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
     for where in ("public", "hidden_and_random"):
         assert "['activations']" in failed[f"per_rank_memory_exact_bytes_on_{where}_cases"], \
@@ -153,22 +198,62 @@ def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path)
             failed
     for where in ("public", "hidden"):
         assert "the best needs exactly that" in failed[f"best_config_{where}_cases"], failed
-    for name in ("pp2_dp2_tp2_on_8_ranks_matches_one_process", "each_mode_on_its_own_group"):
+    for name in ("state_on_pp2_dp2_tp2_8_ranks_matches_one_process", "each_mode_on_its_own_group"):
         assert "made a SEND with rank" in failed[f"train_3d_{name}"], failed  # not its neighbour
+
+
+def assert_fails_exactly(report, names):
+    """Exactly the checks ``names`` fail (with a message, 0 points), every other one passes with
+    full points."""
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    assert names <= {r["name"] for r in report["results"]}, names
+    for r in report["results"]:
+        if r["name"] in names:
+            assert r["status"] == "failed" and r["points"] == 0 and r["message"], r
+        else:
+            assert r["status"] == "passed" and r["points"] == r["max_points"], r
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_issue_32_bugs_lose_exactly_the_checks_that_judge_them(offline_env, tmp_path):
+    """Issue #32, in one grading run (with the key): step_time with the bandwidth rule
+    ``size * stride <= node_size`` (wrong for groups that straddle a node) loses its public and
+    hidden value checks and keeps its ValueError point; best_config that leaves out 1F1B below
+    pp micro-batches (torch's Schedule1F1B's limit) loses its public and hidden cases; train_3d
+    whose loss is not averaged over dp (the weights right) loses only the losses check's 2
+    points. per_rank_memory keeps everything."""
+    bugs = {f: (old, new) for f, (old, new, _, _) in ISSUE_BUGS.items()}
+    report = grade(write(tmp_path, "issue_32", bugs), "--speed", "skip", env=offline_env)
+    print(report["stdout"])
+    assert_fails_exactly(report, set().union(*(fails for _, _, fails, _ in ISSUE_BUGS.values())))
+    assert points_by_function(report) == {"per_rank_memory": 3, "step_time": 1,
+                                          "best_config": 0, "train_3d": 6}, report["stdout"]
+    messages = {r["name"]: r["message"] for r in report["results"]}
+    for _, _, fails, text in ISSUE_BUGS.values():
+        for name in fails:
+            assert text in messages[name], (name, messages[name])
 
 
 @pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.parametrize("bug", list(TRAIN_BUGS))
-def test_train_3d_bugs_lose_its_points_and_are_named(bug, offline_env, tmp_path):
-    bugs, named = TRAIN_BUGS[bug]
+def test_train_3d_bugs_lose_the_checks_that_judge_them_and_are_named(bug, offline_env,
+                                                                   tmp_path):
+    """Each bug fails the checks that judge what it breaks, named in each failure; train_3d's
+    other checks pass (the losses not scaled by 1/micro_batches: wrong weights and losses,
+    right groups)."""
+    bugs, fails, named = TRAIN_BUGS[bug]
     report = grade(write(tmp_path, bug, *bugs), "--only", "train_3d", "--speed", "skip",
                    env=offline_env)
     print(report["stdout"])
-    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    assert points_by_function(report) == {"train_3d": 0}, report["stdout"]
-    assert all(r["status"] == "failed" and named in r["message"] for r in report["results"]), \
-        report["results"]
+    assert_fails_exactly(report, fails)
+    for r in report["results"]:
+        assert r["name"] not in fails or named is None or named in r["message"], r
+    if bug == "micro-batch losses not scaled":
+        message = next(r["message"] for r in report["results"]
+                       if r["name"] == "train_3d_losses_match_one_process")
+        assert "is each micro-batch's loss scaled by 1/micro_batches?" in message, message
 
 
 #: stage 1 never sends the gradient of its input back: stage 0 waits in recv for ever
@@ -181,7 +266,7 @@ DEADLOCK = {"train_3d": ("dist.send(x.grad.contiguous(), group=pp_group, group_d
 def test_a_pipeline_deadlock_fails_train_3d_at_once_and_the_rest_is_graded(offline_env,
                                                                             tmp_path):
     """gloo's recv waits without a timeout: the launch's own timeout stops the 8 ranks, all of
-    train_3d's checks fail with it (one wait, not three), the cost model keeps its 9 points, and
+    train_3d's checks fail with it (one wait, not four), the cost model keeps its 9 points, and
     no process is left behind."""
     tag = uuid.uuid4().hex
     start = time.monotonic()
@@ -193,7 +278,7 @@ def test_a_pipeline_deadlock_fails_train_3d_at_once_and_the_rest_is_graded(offli
     assert points_by_function(report) == {"per_rank_memory": 3, "step_time": 3,
                                           "best_config": 3, "train_3d": 0}, report["stdout"]
     failed = [r for r in report["results"] if r["function"] == "train_3d"]
-    assert len(failed) == 3 and all(r["status"] == "failed" and r["message"] for r in failed)
+    assert len(failed) == 4 and all(r["status"] == "failed" and r["message"] for r in failed)
     assert seconds < 150, f"grading took {seconds:.0f} s"
     time.sleep(0.5)
     left = [p.pid for p in psutil.process_iter() if _tagged(p, tag)]
@@ -244,7 +329,8 @@ def _decided_by_more_than_rounding(cases) -> set[str]:
         assert not close, (label, close[:3])
         answer = K.best_config(model, hw, world)
         memory = max(K.per_rank_memory(model, answer)["total"])
-        seen |= {k for k, ok in (("zero 3", answer["zero"] == 3), ("checkpoint",
+        seen |= {k for k, ok in (("m < pp", answer["micro_batches"] < answer["pp"]),
+                                 ("zero 3", answer["zero"] == 3), ("checkpoint",
                  answer["checkpoint"]), ("pp", answer["pp"] > 1), ("tp", answer["tp"] > 1),
                  ("exact limit", memory == hw["memory"]),
                  ("binds", K.best_config(model, dict(hw, memory=1 << 62), world) != answer))
@@ -259,16 +345,87 @@ def test_best_config_cases_are_decided_by_more_than_rounding():
     math.isclose(rel_tol=1e-9) tie exactly the configurations the grader ties. And the cases
     ask for what the text teaches: binding memory limits (ZeRO-3, checkpointing, pipelining
     and tensor parallelism in the answers), a limit the best meets exactly, one where nothing
-    fits, world sizes 8, 16 and 64 on nodes of 2, 4 and 8 (the hidden ones); the public ones
-    too, as far as their smaller worlds allow."""
+    fits, a best with fewer micro-batches than stages (1F1B: issue #32), world sizes 8, 16 and
+    64 on nodes of 2, 4 and 8 (the hidden ones); the public ones too, as far as their smaller
+    worlds allow."""
     seen = _decided_by_more_than_rounding(key().hidden_best_cases())
-    assert seen >= {"nothing fits", "zero 3", "checkpoint", "pp", "tp", "exact limit", "binds",
+    assert seen >= {"m < pp", "nothing fits", "zero 3", "checkpoint", "pp", "tp", "exact limit",
+                    "binds",
                     "world 8", "world 16", "world 64", "node 2", "node 4", "node 8"}, seen
     public = [(c["what"], c["model_cfg"], c["hw_cfg"], c["world_size"])
               for c in E.public_cases()["best_config"]]
     seen = _decided_by_more_than_rounding(public)
-    assert seen >= {"nothing fits", "zero 3", "checkpoint", "pp", "tp", "exact limit",
+    assert seen >= {"m < pp", "nothing fits", "zero 3", "checkpoint", "pp", "tp", "exact limit",
                     "binds"}, seen
+
+
+def _without_1f1b_below_pp(K, model, hw, world):
+    """best_config as torch's Schedule1F1B would have it: no 1F1B with fewer micro-batches than
+    stages (issue #32's bug)."""
+    fits = [f for f in K.fitting(model, hw, world)
+            if not (f[2]["schedule"] == "1f1b" and f[2]["micro_batches"] < f[2]["pp"])]
+    if not fits:
+        return None
+    best = min(t for t, _, _ in fits)
+    return min((K.tie_key(memory, par), par) for t, memory, par in fits if t == best)[1]
+
+
+def test_best_config_cases_need_1f1b_below_pp_micro_batches():
+    """Issue #32: a best_config that leaves out 1F1B when micro_batches < pp (the limit of
+    torch's Schedule1F1B class, not of the cost model) answers otherwise in hidden cases and
+    in public ones (the tiny model with batch 1 on 4 GPUs of 2 per node: (dp, tp, pp, m) =
+    (1, 2, 2, 1) with 1F1B), some where only the schedule differs and some where GPipe's
+    memory does not fit and another mesh wins."""
+    K = key()
+    public = [(c["what"], c["model_cfg"], c["hw_cfg"], c["world_size"])
+              for c in E.public_cases()["best_config"]]
+    for cases, least in ((K.hidden_best_cases(), 4), (public, 2)):
+        differ = [(what, K.best_config(m, hw, w), _without_1f1b_below_pp(K, m, hw, w))
+                  for what, m, hw, w in cases]
+        differ = [(what, a, b) for what, a, b in differ if a != b]
+        assert len(differ) >= least, differ
+        assert all(a["schedule"] == "1f1b" and a["micro_batches"] < a["pp"]
+                   for _, a, _ in differ), differ
+        assert any(b and (b["dp"], b["pp"]) != (a["dp"], a["pp"]) for _, a, b in differ)
+    issue = next(a for what, m, hw, w in K.hidden_best_cases()
+                 if what.startswith("tiny model with batch 1 on 4 GPUs")
+                 for a in [K.best_config(m, hw, w)])
+    assert [issue[k] for k in ("dp", "tp", "pp", "micro_batches", "schedule")] == \
+        [1, 2, 2, 1, "1f1b"]
+
+
+def _span_rule(hw, par, mode):
+    """Issue #32's bug: a group of size ranks stride apart is inside a node when size * stride
+    <= node_size (wrong for groups that straddle a node's edge)."""
+    stride = {"tp": 1, "dp": par["tp"], "pp": par["dp"] * par["tp"]}[mode]
+    return Fraction(hw["intra_bw"] if par[mode] * stride <= hw["node_size"] else hw["inter_bw"])
+
+
+def test_bandwidth_is_intra_node_only_when_every_group_is_on_one_node(monkeypatch):
+    """Issue #32: with tp = 3 on nodes of 8 the tp group of ranks 6, 7, 8 spans two nodes, so
+    tp's bandwidth is inter_bw although 3 <= 8. The key says so; the span rule changes
+    step_time's value on a public case (tp and dp groups that straddle), on hidden fixed cases
+    (tp, and dp) and on at least one random case of every seed."""
+    K = key()
+    hw = dict(E.H100, intra_bw=9.0, inter_bw=1.0)
+    assert K.groups(E.par(3, 3, 1, 1), "tp")[2] == [6, 7, 8]
+    assert not K.one_node(hw, E.par(3, 3, 1, 1), "tp")
+    assert K.one_node(hw, E.par(2, 3, 1, 1), "tp") and K.one_node(hw, E.par(1, 2, 4, 1), "pp")
+    assert not K.one_node(hw, E.par(2, 3, 2, 1), "dp")      # stage 1's ranks 6, 9
+    public = [(c["model_cfg"], c["par_cfg"], c["hw_cfg"], c["expected"])
+              for c in E.public_cases()["step_time"]]
+    hidden = list(K.HIDDEN_COST_CASES)
+    seeds = [K.time_cases(torch.Generator().manual_seed(seed))[len(hidden):]
+             for seed in range(20)]
+    assert all(any(K.straddles(hw, p) for _, p, hw in cases) for cases in seeds)
+    right = [K.step_time(m, p, hw)["total"] for m, p, hw in hidden]
+    monkeypatch.setattr(K, "_bandwidth", _span_rule)
+    wrong = [(p, hw) for m, p, hw, want in public
+             if float(K.step_time(m, p, hw)["total"]) != want["total"]]
+    assert any(set(K.straddles(hw, p)) >= {"tp", "dp"} for p, hw in wrong), wrong
+    assert {mode for m, p, hw in hidden for mode in K.straddles(hw, p)} >= {"tp", "dp"}
+    assert sum(K.step_time(m, p, hw)["total"] != t
+               for (m, p, hw), t in zip(hidden, right)) >= 3
 
 
 def test_the_graders_model_is_the_notebooks():

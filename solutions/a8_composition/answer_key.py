@@ -12,6 +12,7 @@ Imported only in the grader's own process (checks.py), never in the sandbox.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from fractions import Fraction
@@ -69,8 +70,27 @@ def per_rank_memory(model, par) -> dict:
     return out
 
 
-def _bandwidth(hw, size, stride) -> Fraction:
-    return Fraction(hw["intra_bw"] if size * stride <= hw["node_size"] else hw["inter_bw"])
+def groups(par, mode) -> list[list[int]]:
+    """Every group of ``mode`` ("tp", "dp" or "pp") of the (pp, dp, tp) mesh, as global ranks."""
+    dp, tp, pp = par["dp"], par["tp"], par["pp"]
+    mesh = torch.arange(pp * dp * tp).view(pp, dp, tp)
+    dim = ("pp", "dp", "tp").index(mode)
+    return mesh.movedim(dim, -1).reshape(-1, mesh.size(dim)).tolist()
+
+
+def one_node(hw, par, mode) -> bool:
+    """Whether every group of ``mode`` has all of its ranks on one node (rank r's: r // node)."""
+    return _one_node(hw["node_size"], par["dp"], par["tp"], par["pp"], mode)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_node(node_size, dp, tp, pp, mode) -> bool:
+    return all(len({r // node_size for r in g}) == 1
+               for g in groups(dict(dp=dp, tp=tp, pp=pp), mode))
+
+
+def _bandwidth(hw, par, mode) -> Fraction:
+    return Fraction(hw["intra_bw"] if one_node(hw, par, mode) else hw["inter_bw"])
 
 
 def step_time(model, par, hw) -> dict:
@@ -84,11 +104,11 @@ def step_time(model, par, hw) -> dict:
              + (n * block if par["checkpoint"] else 0)) / flops for i in range(pp))
     activation = BYTES * mb * s * h
     tp_mb = Fraction(n * (6 if par["checkpoint"] else 4) * 2 * (tp - 1) * activation, tp) \
-        / _bandwidth(hw, tp, 1)
+        / _bandwidth(hw, par, "tp")
     k = 3 if par["zero"] == 3 else 2
-    dp_time = max(Fraction(k * (dp - 1) * BYTES * P, dp) / _bandwidth(hw, dp, tp)
+    dp_time = max(Fraction(k * (dp - 1) * BYTES * P, dp) / _bandwidth(hw, par, "dp")
                   for P in stage_params(model, par))
-    pp_time = 2 * m * (pp - 1) * activation / _bandwidth(hw, pp, dp * tp)
+    pp_time = 2 * m * (pp - 1) * activation / _bandwidth(hw, par, "pp")
     t = dict(compute=m * c, bubble=(pp - 1) * (c + tp_mb), tp=m * tp_mb, dp=dp_time,
              pp=Fraction(pp_time))
     t["total"] = sum(t.values())
@@ -139,8 +159,9 @@ def best_config(model, hw, world_size) -> dict | None:
 
 #: (model, par, hw) of the fixed cases: every ZeRO stage, with and without checkpointing, both
 #: schedules, fewer micro-batches than stages (1F1B's min), shards that do not divide; groups
-#: inside a node, across, and at its edge. The public ones' values are in public_cases.json;
-#: the hidden ones are checked with the random ones.
+#: inside a node, across, at its edge, and groups that would fit in a node but straddle two
+#: (tp = 3 on nodes of 8: ranks 6, 7, 8; dp groups of a second stage). The public ones' values
+#: are in public_cases.json; the hidden ones are checked with the random ones.
 PUBLIC_COST_CASES = [
     (TINY, par(1, 1, 1, 1), H100),
     (TINY, par(2, 2, 2, 2, 1, False, "gpipe"), SMALL_NODES),
@@ -149,6 +170,7 @@ PUBLIC_COST_CASES = [
     (ODD, par(5, 3, 2, 2, 1, True, "gpipe"), TOY),
     (SMALL, par(4, 2, 4, 8, 2, False, "1f1b"), TOY),
     (GPT8B, par(8, 8, 4, 8, 1, True, "1f1b"), SMALL_NODES),
+    (ODD, par(2, 3, 2, 3, 2, False, "1f1b"), H100),
 ]
 HIDDEN_COST_CASES = [
     (TINY, par(4, 1, 2, 1, 2, False, "1f1b"), H100),
@@ -157,6 +179,8 @@ HIDDEN_COST_CASES = [
     (GPT8B, par(2, 4, 8, 4, 3, False, "gpipe"), TOY),
     (GPT70B, par(8, 8, 8, 8, 3, True, "1f1b"), H100),
     (GPT70B, par(4, 4, 16, 16, 0, False, "1f1b"), SMALL_NODES),
+    (ODD, par(5, 3, 1, 2, 0, False, "gpipe"), H100),
+    (ODD, par(3, 1, 2, 5, 1, True, "gpipe"), SMALL_NODES),
 ]
 
 
@@ -188,19 +212,32 @@ def time_cases(g: torch.Generator) -> list[tuple[dict, dict, dict]]:
     """(model, par, hw) of step_time's hidden check: the hidden fixed cases, and random ones on
     random hardware."""
     out = list(HIDDEN_COST_CASES)
-    for m, p in random_cases(g):
-        hw = dict(flops=float(torch.randint(1, 1000, (1,), generator=g)) * 1e12,
-                  memory=1 << 30, node_size=int(torch.randint(1, 9, (1,), generator=g)),
-                  intra_bw=float(torch.randint(50, 900, (1,), generator=g)) * 1e9,
-                  inter_bw=float(torch.randint(5, 50, (1,), generator=g)) * 1e9)
-        out.append((m, p, hw))
+    while len(out) < len(HIDDEN_COST_CASES) + 8 or not any(
+            straddles(hw, p) for _, p, hw in out[len(HIDDEN_COST_CASES):]):
+        for m, p in random_cases(g, 1):
+            hw = dict(flops=float(torch.randint(1, 1000, (1,), generator=g)) * 1e12,
+                      memory=1 << 30, node_size=int(torch.randint(1, 9, (1,), generator=g)),
+                      intra_bw=float(torch.randint(50, 900, (1,), generator=g)) * 1e9,
+                      inter_bw=float(torch.randint(5, 50, (1,), generator=g)) * 1e9)
+            out.append((m, p, hw))
     return out
+
+
+def straddles(hw, par) -> list[str]:
+    """The modes of ``par`` whose groups would fit in a node (``size * stride <= node_size``)
+    but not all lie on one: where 'spans few enough ranks' and 'on one node' differ. The random
+    cases hold at least one."""
+    strides = {"tp": 1, "dp": par["tp"], "pp": par["dp"] * par["tp"]}
+    return [mode for mode, stride in strides.items() if par[mode] > 1
+            and par[mode] * stride <= hw["node_size"] and not one_node(hw, par, mode)]
 
 
 GiB = 2**30
 #: best_config's hidden cases: (what, model, hw, world size). Most memory limits bind: ZeRO,
 #: checkpointing and pipelining decide what fits, one limit equals the best's memory exactly,
-#: with plenty of memory the tie-break decides among the ZeRO stages, and the last fits nothing.
+#: with plenty of memory the tie-break decides among the ZeRO stages, one fits nothing; in the
+#: last four a replica's batch is smaller than pp, and the best runs 1F1B with fewer
+#: micro-batches than stages (a search that leaves those out answers otherwise).
 BEST_CASES = [
     ("tiny model on 8 GPUs of 2 per node, 14224 bytes each (the best needs exactly that)",
      TINY, dict(TOY, memory=14224), 8),
@@ -213,6 +250,16 @@ BEST_CASES = [
     ("8B-like on 16 GPUs of 4 per node, 40 GiB each", GPT8B, SMALL_NODES, 16),
     ("70B-like on 64 GPUs of 8 per node, 80 GiB each", GPT70B, H100, 64),
     ("70B-like on 8 GPUs of 8 per node, 80 GiB each (nothing fits)", GPT70B, H100, 8),
+    # a replica's batch smaller than pp: fewer micro-batches than stages, 1F1B (its in-flight
+    # min(pp - i, m) can be what fits)
+    ("tiny model with batch 1 on 4 GPUs of 2 per node, plenty of memory", dict(TINY, batch=1),
+     dict(TOY, memory=GiB), 4),
+    ("GPT-2-small-like with batch 8 on 16 GPUs of 4 per node, 606071808 bytes each (the best "
+     "needs exactly that)", dict(SMALL, batch=8), dict(SMALL_NODES, memory=606071808), 16),
+    ("8B-like with batch 8 on 64 GPUs of 4 per node, 7894728704 bytes each",
+     dict(GPT8B, batch=8), dict(SMALL_NODES, memory=7894728704), 64),
+    ("odd-sized model with batch 3 on 12 GPUs of 4 per node, 3268128 bytes each",
+     dict(ODD, batch=3), dict(SMALL_NODES, memory=3268128), 12),
 ]
 
 def hidden_best_cases() -> list[tuple[str, dict, dict, int]]:
@@ -231,6 +278,11 @@ PUBLIC_BEST_CASES = [
     ("GPT-2-small-like on 8 GPUs of 8 per node, 2 GiB each", SMALL, dict(H100, memory=2 * GiB),
      8),
     ("8B-like on 1 GPU of 80 GiB (nothing fits)", GPT8B, H100, 1),
+    ("tiny model with batch 2 on 8 GPUs of 4 per node, plenty of memory (fewer micro-batches "
+     "than stages)", dict(TINY, batch=2), dict(SMALL_NODES, memory=GiB), 8),
+    ("tiny model with batch 4 on 8 GPUs of 8 per node, 12992 bytes each (fewer micro-batches "
+     "than stages; the best needs exactly that)", dict(TINY, batch=4), dict(H100, memory=12992),
+     8),
 ]
 
 

@@ -30,7 +30,7 @@ Deliberately other choices than a typical solution's:
   DTensor's contiguous ``Shard(0)`` of rank ``t`` is its heads of q, of k and of v, and permuted
   back when gathering the state); the pipeline is ``torch.distributed.pipelining``'s
   ``PipelineStage`` on the ``pp`` group (static shapes) run by ``Schedule1F1B`` (``ScheduleGPipe``
-  when there are fewer micro-batches than stages, which 1F1B refuses), with its own micro-batch
+  when there are fewer micro-batches than stages, which it refuses), with its own micro-batch
   split, its own per-micro-batch loss and its ``scale_grads`` (1/m); data parallelism is one
   all-reduce per step on the ``dp`` group of a flat bucket of the local gradient shards with the
   last stage's mean micro-batch loss appended at its end; the update is ``torch.optim.SGD``
@@ -155,9 +155,16 @@ def per_rank_memory(model_cfg, par_cfg) -> dict:
     return table
 ''',
     "step_time": '''\
-def _bandwidth(hw_cfg, size, stride):
-    """Bytes/s of a group of `size` ranks `stride` apart, exactly (a Fraction)."""
-    inside = size * stride <= hw_cfg["node_size"]
+def _bandwidth(hw_cfg, plan, mode):
+    """Bytes/s of the groups of `mode`, exactly (a Fraction): intra_bw only if every group has
+    all of its ranks on one node (rank r on node r // node_size)."""
+    pp, dp, tp = plan.pp, plan.dp, plan.tp
+    grouped = {}                             # the other two coordinates -> the group's nodes
+    for r in range(pp * dp * tp):
+        p, d, t = r // (dp * tp), (r // tp) % dp, r % tp
+        key = {"tp": (p, d), "dp": (p, t), "pp": (d, t)}[mode]
+        grouped.setdefault(key, set()).add(r // hw_cfg["node_size"])
+    inside = all(len(nodes) == 1 for nodes in grouped.values())
     return Fraction(hw_cfg["intra_bw"] if inside else hw_cfg["inter_bw"])
 
 
@@ -177,12 +184,13 @@ def step_time(model_cfg, par_cfg, hw_cfg) -> dict:
 
     activation_bytes = 4 * mb * s * h
     all_reduces = layers * (6 if plan.checkpoint else 4)
-    t_tp = all_reduces * Fraction(2 * (tp - 1), tp) * activation_bytes / _bandwidth(hw_cfg, tp, 1)
+    t_tp = (all_reduces * Fraction(2 * (tp - 1), tp) * activation_bytes
+            / _bandwidth(hw_cfg, plan, "tp"))
 
     k = 3 if plan.zero == 3 else 2
-    bw_dp = _bandwidth(hw_cfg, dp, tp)
+    bw_dp = _bandwidth(hw_cfg, plan, "dp")
     dp_time = max(k * Fraction(dp - 1, dp) * 4 * plan.params(i) / bw_dp for i in plan.stages)
-    pp_time = 2 * m * (pp - 1) * activation_bytes / _bandwidth(hw_cfg, pp, dp * tp)
+    pp_time = 2 * m * (pp - 1) * activation_bytes / _bandwidth(hw_cfg, plan, "pp")
 
     exact = {"compute": m * c, "bubble": (pp - 1) * (c + t_tp), "tp": m * t_tp,
              "dp": dp_time, "pp": pp_time}

@@ -6,8 +6,9 @@ process) and ``train_3d``: one run on 8 processes trains every mesh of :data:`.r
 (float64). The cost model's public checks compare with the fixed cases' values stored as data
 (public_cases.json); its hidden checks (``hidden=True`` in spec.py) compare hidden and random
 cases with the instructor's answer key (:func:`autograder.keys.answer_key`), loaded only here,
-in the grader's process. Communication is counted by the ranks' harness, per group. A
-function's later checks count only when its values are right. Points: spec.py.
+in the grader's process. Communication is counted by the ranks' harness, per group. Each check
+judges only what it is named for: the ValueError checks the errors (whatever the values),
+train_3d's the states, the losses and the groups, each on its own. Points: spec.py.
 """
 from __future__ import annotations
 
@@ -102,17 +103,18 @@ def _judge_memory(results, cases, wants, where):
 
 
 def _public_memory(student):
-    """The public fixed cases' values checked; what the bad cases raised."""
+    """``(cases, wants, results, errors)``: the public fixed cases (run first), what came back,
+    and what the bad cases raised (run after them)."""
     cases, wants = zip(*_public("per_rank_memory"))
     results, errors = student.shared("memory", lambda: student.call(
         probe_cost, "per_rank_memory", list(cases), [(m, p) for m, p, _ in E.BAD_CASES]))
-    _judge_memory(results, cases, wants, "a public case: public_cases.json")
-    return errors
+    return cases, wants, results, errors
 
 
 @graded
 def test_per_rank_memory_exact_bytes_on_public_cases(student):
-    _public_memory(student)
+    cases, wants, results, _ = _public_memory(student)
+    _judge_memory(results, cases, wants, "a public case: public_cases.json")
 
 
 @graded
@@ -125,17 +127,25 @@ def test_per_rank_memory_exact_bytes_on_hidden_and_random_cases(student):
                   f"a hidden or random case, seed {seed}")
 
 
-def _judge_errors(name, errors, hw=None):
-    assert len(errors) == len(E.BAD_CASES), "the reply was tampered with"
+def _judge_errors(name, public, hw=None):
+    """ValueError for each bad case, and none for the public cases (which break no rule),
+    whatever their values."""
+    cases, _, results, errors = public
+    assert len(errors) == len(E.BAD_CASES) and len(results) == len(cases) and all(
+        isinstance(reply, dict) for reply in results), "the reply was tampered with"
     for (model, par, rule), error in zip(E.BAD_CASES, errors):
         assert error == "ValueError", (
             f"{name} with {rule} should raise ValueError; got {error} (for "
             f"{_show(model, par, hw)})")
+    for case, reply in zip(cases, results):
+        assert not reply.get("error", "").startswith("ValueError"), (
+            f"{name} raised {reply['error']}, but this configuration breaks no rule (for "
+            f"{_show(*case)})")
 
 
 @graded
 def test_per_rank_memory_value_errors(student):
-    _judge_errors("per_rank_memory", _public_memory(student))  # given with right public values
+    _judge_errors("per_rank_memory", _public_memory(student))
 
 
 # ---------------------------------------------------------------------------- step_time
@@ -158,17 +168,17 @@ def _judge_time(results, cases, wants, where):
 
 
 def _public_time(student):
-    """The public fixed cases' values checked; what the bad cases raised."""
+    """``(cases, wants, results, errors)``, as :func:`_public_memory`'s."""
     cases, wants = zip(*_public("step_time"))
     results, errors = student.shared("time", lambda: student.call(
         probe_cost, "step_time", list(cases), [(m, p, E.H100) for m, p, _ in E.BAD_CASES]))
-    _judge_time(results, cases, wants, "a public case: public_cases.json")
-    return errors
+    return cases, wants, results, errors
 
 
 @graded
 def test_step_time_matches_the_cost_model_on_public_cases(student):
-    _public_time(student)
+    cases, wants, results, _ = _public_time(student)
+    _judge_time(results, cases, wants, "a public case: public_cases.json")
 
 
 @graded
@@ -183,7 +193,7 @@ def test_step_time_matches_the_cost_model_on_hidden_and_random_cases(student):
 
 @graded
 def test_step_time_value_errors(student):
-    _judge_errors("step_time", _public_time(student), E.H100)  # given with right public values
+    _judge_errors("step_time", _public_time(student), E.H100)
 
 
 # ---------------------------------------------------------------------------- best_config
@@ -260,19 +270,18 @@ def _text(exc: AssertionError) -> str:
     return str(exc).split("\nassert ")[0]
 
 
-def _judge_run(seed, i, replies):
-    """Every rank of run ``i`` against one process (the losses first, then the states); its
-    communication named where it fails."""
+def _judge_run(seed, i, replies, part):
+    """``part`` (:func:`_judge_losses` or :func:`_judge_state`) on every rank of run ``i``
+    against one process; its communication named where it fails."""
     run = R.RUNS[i]
     want_losses, want_state = E.one_process_training(seed)
-    for part in (_judge_losses, _judge_state):
-        for r, reply in enumerate(replies):
-            try:
-                part(run, r, reply, want_losses if part is _judge_losses else want_state, seed)
-            except AssertionError as exc:
-                bad = R.violations(run.dims, r, reply["calls"])
-                raise AssertionError(_text(exc) + (f"\n(it made {bad[0]})" if bad else "")) \
-                    from None
+    for r, reply in enumerate(replies):
+        try:
+            part(run, r, reply, want_losses if part is _judge_losses else want_state, seed)
+        except AssertionError as exc:
+            bad = R.violations(run.dims, r, reply["calls"])
+            raise AssertionError(_text(exc) + (f"\n(it made {bad[0]})" if bad else "")) \
+                from None
 
 
 def _judge_losses(run, r, reply, want_losses, seed):
@@ -313,7 +322,9 @@ def _judge_state(run, r, reply, want_state, seed):
                      "tensor, vs one process on the full batch)", seed=seed, **_tol64(want))
 
 
-def _judge_runs(student, runs):
+def _judge_runs(student, runs, judge):
+    """``judge(seed, i, replies)`` on each of ``runs`` that every rank finished (a run that did
+    not finish fails); every failure reported."""
     seed, reply = _train_run(student)
     failures = []
     for i in runs:
@@ -324,42 +335,59 @@ def _judge_runs(student, runs):
         assert isinstance(replies, list) and len(replies) == len(R.RUNS[i].ranks) and all(
             isinstance(x, dict) for x in replies), "the ranks' reply was tampered with"
         try:
-            _judge_run(seed, i, replies)
+            judge(seed, i, replies)
         except AssertionError as exc:
             failures.append(_text(exc))
     assert not failures, "\n".join(dict.fromkeys(failures))
-    return reply["replies"]
+
+
+def _states(seed, i, replies):
+    _judge_run(seed, i, replies, _judge_state)
+
+
+def _losses(seed, i, replies):
+    _judge_run(seed, i, replies, _judge_losses)
 
 
 @graded
-def test_train_3d_pp2_dp2_tp2_on_8_ranks_matches_one_process(student):
-    _judge_runs(student, [0])
+def test_train_3d_state_on_pp2_dp2_tp2_8_ranks_matches_one_process(student):
+    _judge_runs(student, [0], _states)
 
 
 @graded
-def test_train_3d_three_meshes_of_4_ranks_match_one_process(student):
-    _judge_runs(student, range(1, len(R.RUNS)))
+def test_train_3d_state_on_three_meshes_of_4_ranks_matches_one_process(student):
+    _judge_runs(student, range(1, len(R.RUNS)), _states)
+
+
+@graded
+def test_train_3d_losses_match_one_process(student):
+    _judge_runs(student, range(len(R.RUNS)), _losses)
+
+
+def _groups(seed, i, replies):
+    """Each rank's calls: none where they should not go; each mode of size above 1 on its own
+    group at least once a step (whatever the values)."""
+    run = R.RUNS[i]
+    pp, dp, tp = run.dims
+    for r, reply in enumerate(replies):
+        where, calls = _where(run, r), reply["calls"]
+        bad = R.violations(run.dims, r, calls)
+        assert not bad, f"{where} made {bad[0]}" + (
+            f", and {len(bad) - 1} more call(s) where it should not" if bad[1:] else "")
+        groups = R.groups_of(run.dims, r)
+        for mode, size in (("tp", tp), ("dp", dp)):
+            n = sum(op in HOOKED_COLLECTIVES and set(ranks) == set(groups[mode])
+                    for ranks, op, _, _, _ in calls)
+            assert size == 1 or n >= R.STEPS, (
+                f"{where}: {n} collective(s) on its {mode} group (ranks "
+                f"{list(groups[mode])}) in {R.STEPS} steps; {mode} = {size} should use it "
+                "at least once a step")
+        n = sum(op in ("SEND", "RECV") for _, op, _, _, _ in calls)
+        assert pp == 1 or n >= R.STEPS, (
+            f"{where}: {n} send(s)/recv(s) with its neighbouring stages in {R.STEPS} steps; "
+            f"pp = {pp} should pass activations and their gradients between stages")
 
 
 @graded
 def test_train_3d_each_mode_on_its_own_group(student):
-    replies = _judge_runs(student, range(len(R.RUNS)))  # counted for right results only
-    for i, run in enumerate(R.RUNS):
-        pp, dp, tp = run.dims
-        for r, reply in enumerate(replies[i]):
-            where, calls = _where(run, r), reply["calls"]
-            bad = R.violations(run.dims, r, calls)
-            assert not bad, f"{where} made {bad[0]}" + (
-                f", and {len(bad) - 1} more call(s) where it should not" if bad[1:] else "")
-            groups = R.groups_of(run.dims, r)
-            for mode, size in (("tp", tp), ("dp", dp)):
-                n = sum(op in HOOKED_COLLECTIVES and set(ranks) == set(groups[mode])
-                        for ranks, op, _, _, _ in calls)
-                assert size == 1 or n >= R.STEPS, (
-                    f"{where}: {n} collective(s) on its {mode} group (ranks "
-                    f"{list(groups[mode])}) in {R.STEPS} steps; {mode} = {size} should use it "
-                    "at least once a step")
-            n = sum(op in ("SEND", "RECV") for _, op, _, _, _ in calls)
-            assert pp == 1 or n >= R.STEPS, (
-                f"{where}: {n} send(s)/recv(s) with its neighbouring stages in {R.STEPS} steps; "
-                f"pp = {pp} should pass activations and their gradients between stages")
+    _judge_runs(student, range(len(R.RUNS)), _groups)

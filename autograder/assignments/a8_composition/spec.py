@@ -7,7 +7,8 @@ is at hand), so that a bug costs one function's points. Each is checked publicly
 whose values are stored as data (public_cases.json) and, with the instructor's answer key, on
 hidden and random cases (``hidden=True``: reserved for the instructor's grading). ``train_3d``
 runs once on 8 fresh processes that train every mesh of the checks in turn (:mod:`.ranks`): that
-one run is shared by all of its checks. A8 has no speed check. Per-call timeouts are several
+one run is shared by all of its checks, each judging one thing (the states, the losses, the
+groups). A8 has no speed check. Per-call timeouts are several
 times what the reference takes on a busy 2-core machine (process start-up included).
 """
 from autograder.checking.spec import Check, Function, Spec
@@ -32,10 +33,11 @@ SPEC = Spec(
         Check("step_time_value_errors", "step_time", 1, timeout=60),
         Check("best_config_public_cases", "best_config", 1, timeout=120),
         Check("best_config_hidden_cases", "best_config", 2, timeout=120, hidden=True),
-        Check("train_3d_pp2_dp2_tp2_on_8_ranks_matches_one_process", "train_3d", 3,
+        Check("train_3d_state_on_pp2_dp2_tp2_8_ranks_matches_one_process", "train_3d", 2,
               timeout=150),
-        Check("train_3d_three_meshes_of_4_ranks_match_one_process", "train_3d", 3,
+        Check("train_3d_state_on_three_meshes_of_4_ranks_matches_one_process", "train_3d", 2,
               timeout=150),
+        Check("train_3d_losses_match_one_process", "train_3d", 2, timeout=150),
         Check("train_3d_each_mode_on_its_own_group", "train_3d", 2, timeout=150),
     ),
     # what students' ranks may use beyond torch.distributed (DTensor, FSDP2, pipelining, and
