@@ -420,6 +420,9 @@ def _worker(tmp: str, rank: int) -> None:
     # collected as usual.
     gc.freeze()
     torch.set_num_threads(int(os.environ.get("LAUNCH_THREADS", "1")))
+    from course.compat import install
+
+    install()  # newer torch.distributed names on an older torch (course/compat.py)
     world_size = int(os.environ["WORLD_SIZE"])
     backend = os.environ["LAUNCH_BACKEND"]
     fn, args = cloudpickle.loads(Path(tmp, "payload.pkl").read_bytes())

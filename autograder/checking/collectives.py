@@ -1,10 +1,12 @@
 """Counting the collectives a piece of code issues, from the grader's side (runs in ranks).
 
 Two layers: python wrappers around torch.distributed's collective functions (also where the
-code's globals hold them under their own names), and a pre-hook on the default process group,
+code's globals hold them under their own names), and a watch on the default process group,
 which sees every collective issued on it however it was reached (functional collectives
-included); pre-hooks on given groups (:func:`traffic_on_groups`) or on every group of a rank
-(:func:`calls_on_every_group`, which notes point-to-point sends and receives too).
+included); watches on given groups (:func:`traffic_on_groups`) or on every group of a rank
+(:func:`calls_on_every_group`, which notes point-to-point sends and receives too). A watch is
+:func:`course.collectives.watch_group`: torch's pre-hook where the release has one (2.14+), with
+its op names made the same on every release, and the same records made by wrapping elsewhere.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import contextlib
 import functools
 
 import torch.distributed as dist
+
+from course.collectives import watch_group
 
 #: Collectives a ring may not call (python-level names, where this torch has them).
 COLLECTIVES = ["all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather",
@@ -24,7 +28,6 @@ COLLECTIVES = ["all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all
 #: What the process group's pre-hook counts (its other names are point-to-point or bookkeeping).
 HOOKED_COLLECTIVES = {"BROADCAST", "ALLREDUCE", "REDUCE", "ALLGATHER", "REDUCE_SCATTER",
                       "ALLTOALL", "BARRIER", "SCATTER", "GATHER"}
-_HOOK_ID = 424242
 
 
 @contextlib.contextmanager
@@ -61,23 +64,16 @@ def collectives_counted(fn):
         if id(value) in by_identity:
             patched.append((g, name, value))
             g[name] = by_identity[id(value)]
-    group = c10d._get_default_group()
-    hooked = False
-    if hasattr(group, "register_pre_hook"):
-        def hook(args):
-            op = getattr(args.name, "name", str(args.name))
-            if op in HOOKED_COLLECTIVES:
-                counts[f"process group {op}"] = counts.get(f"process group {op}", 0) + 1
-        try:
-            group.register_pre_hook(_HOOK_ID, hook)
-            hooked = True
-        except Exception:
-            pass
+
+    def seen(op, inputs, outputs, peer):
+        if op in HOOKED_COLLECTIVES:
+            counts[f"process group {op}"] = counts.get(f"process group {op}", 0) + 1
+
+    watching = watch_group(c10d._get_default_group(), seen)
     try:
-        yield counts
+        with watching:
+            yield counts
     finally:
-        if hooked:
-            group.unregister_pre_hook(_HOOK_ID)
         for space, name, old in reversed(patched):
             if isinstance(space, dict):
                 space[name] = old
@@ -102,38 +98,31 @@ def traffic_on_groups(groups: dict, *, new_groups: bool = False, outputs: bool =
     import torch.distributed.distributed_c10d as c10d
 
     traffic: dict = {}
-    hooked: list = []  # (group, hook id)
+    hooked: list = []  # the groups watched
+    stack = contextlib.ExitStack()
 
     def watch(key, group):
         group = c10d._get_default_group() if group is None else group
-        if any(g is group for g, _ in hooked):
-            traffic.setdefault(key, [])
+        traffic.setdefault(key, [])
+        if any(g is group for g in hooked):
             return
 
-        def hook(args, key=key):
-            op = getattr(args.name, "name", str(args.name))
+        def seen(op, inputs, out_tensors, peer, key=key):
             if op in HOOKED_COLLECTIVES:
-                elements = sum(t.numel() for t in args.input_tensors)
-                out = (sum(t.numel() for t in args.output_tensors) if args.output_tensors
-                       else elements)
-                traffic.setdefault(key, []).append((op, elements, out) if outputs
-                                                   else (op, elements))
-        hook_id = _HOOK_ID + 1 + len(hooked)
-        group.register_pre_hook(hook_id, hook)
-        hooked.append((group, hook_id))
-        traffic.setdefault(key, [])
+                elements = sum(t.numel() for t in inputs)
+                out = sum(t.numel() for t in out_tensors) if out_tensors else elements
+                traffic[key].append((op, elements, out) if outputs else (op, elements))
+        stack.enter_context(watch_group(group, seen))
+        hooked.append(group)
 
-    for key, group in groups.items():
-        watch(key, group)
-    created = (_groups_created_inside(
-        lambda group: watch(tuple(dist.get_process_group_ranks(group)), group))
-        if new_groups else contextlib.nullcontext())
-    try:
+    with stack:
+        for key, group in groups.items():
+            watch(key, group)
+        created = (_groups_created_inside(
+            lambda group: watch(tuple(dist.get_process_group_ranks(group)), group))
+            if new_groups else contextlib.nullcontext())
         with created:
             yield traffic
-    finally:
-        for group, hook_id in hooked:
-            group.unregister_pre_hook(hook_id)
 
 
 @contextlib.contextmanager
@@ -169,9 +158,6 @@ def _groups_created_inside(watch):
             setattr(space, name, old)
 
 
-_EVERY_GROUP_HOOK_ID = _HOOK_ID + 500
-
-
 @contextlib.contextmanager
 def calls_on_every_group(*, by_group: bool = False, log: list | None = None):
     """While inside, every call on any process group of this rank (those that exist, and those
@@ -188,30 +174,25 @@ def calls_on_every_group(*, by_group: bool = False, log: list | None = None):
 
     log = [] if log is None else log
     hooked: list = []
+    stack = contextlib.ExitStack()
 
     def watch(group):
         if group is None or any(g is group for g in hooked):
             return
         ranks = tuple(dist.get_process_group_ranks(group)) if by_group else ()
 
-        def hook(args):
-            op = getattr(args.name, "name", str(args.name))
-            elements = (sum(t.numel() for t in args.input_tensors),
-                        sum(t.numel() for t in args.output_tensors))
+        def seen(op, inputs, outputs, root):
+            elements = (sum(t.numel() for t in inputs), sum(t.numel() for t in outputs))
             if not by_group:
                 log.append((op, *elements))
                 return
-            root = getattr(args, "root", -1)
             peer = ranks[root] if op in ("SEND", "RECV") and 0 <= root < len(ranks) else None
             log.append((ranks, op, peer, *elements))
-        group.register_pre_hook(_EVERY_GROUP_HOOK_ID, hook)
+        stack.enter_context(watch_group(group, seen))
         hooked.append(group)
 
-    for group in list(c10d._world.pg_map):
-        watch(group)
-    try:
+    with stack:
+        for group in list(c10d._world.pg_map):
+            watch(group)
         with _groups_created_inside(watch):
             yield log
-    finally:
-        for group in hooked:
-            group.unregister_pre_hook(_EVERY_GROUP_HOOK_ID)
