@@ -1,11 +1,14 @@
 """Assignment 7 through the CLI: the reference scores full, the stubs zero, each planted bug
-loses exactly the points of the function it breaks.
+loses exactly the points of the checks that judge what it breaks (each check judges only what
+it is named for: a wrong keep_mask costs keep_mask's checks, not expert_capacity's values).
 
 Each function is graded with the reference versions of the parts it calls, so bugs that break
 different functions are planted together: one grading run holds a bug in each of route,
 expert_capacity (keep_mask), MoELayer, ExpertParallelMoE and train_ep; a second run (``--only``
 those two) holds the second bug of ExpertParallelMoE and of train_ep. Not exchanging the counts
-makes gloo kill a rank (SIGABRT): the failure must say so, not hang.
+makes gloo kill a rank (SIGABRT): the failure must say so, not hang. A third run holds code the
+text allows (``experts.view(-1)``: the reference's helpers return contiguous tensors) and
+bad-input handlers that change module state: they may cost their ValueError points only.
 
 Without the answer key (``AUTOGRADER_ANSWER_KEY=absent``, the student's view) the reference
 earns every public point and the hidden checks are reserved; the public cases' JSON is the key's
@@ -71,8 +74,66 @@ SECOND_BUGS = {
 }
 
 
-def write(tmp_path, name, bugs):
-    return planted_copy(SOURCE, tmp_path, name, bugs)
+#: What the first run's bugs cost, check by check: every other check keeps its points.
+BUGS_LOSE = {
+    "route_fixed_cases_invariants_and_value_error",
+    "route_random_cases_and_gradient_against_the_key",
+    # the fill order is keep_mask's: expert_capacity's own values and errors keep their point
+    "keep_mask_fixed_cases_and_the_fill_order",
+    "expert_capacity_and_keep_mask_random_cases_against_the_key",
+    "MoELayer_outputs_against_a_per_token_loop", "MoELayer_gradients_against_a_per_token_loop",
+    "MoELayer_against_the_answer_key",
+    *(c.name for c in SPEC.checks if c.function in ("ExpertParallelMoE", "train_ep")),
+}
+#: The second run: the combine without the weights costs the values, not from_moe's attributes
+#: nor the collectives (their counts and sizes are right).
+SECOND_LOSE = {
+    "ExpertParallelMoE_forward_against_a_per_token_loop",
+    "ExpertParallelMoE_gradients_against_a_per_token_loop",
+    "ExpertParallelMoE_against_the_answer_key",
+    *(c.name for c in SPEC.checks if c.function == "train_ep"),
+}
+
+# The third run: what the text allows, or costs only a ValueError point.
+ALLOWED = {
+    # torchtitan's TokenReorderer flattens the experts with view(-1): the reference route
+    # (grader-supplied in Parts 4-5) must return a contiguous tensor, as the text says
+    "MoELayer": ("        chosen = experts[tokens, choices]\n",
+                 "        chosen = experts.view(-1)[tokens * self.k + choices]\n"),
+    "ExpertParallelMoE": (
+        "        if moe.num_experts % n:\n"
+        "            raise ValueError(f\"{moe.num_experts} experts cannot be split over {n} ranks\")\n",
+        "        if moe.num_experts % n:  # no error, and every later forward of the class breaks\n"
+        "            cls.forward = lambda self, x: (_ for _ in ()).throw(RuntimeError(\"broken\"))\n"),
+    # no error for a bad num_tokens, and the cell's keep_mask is replaced by a wrong one
+    "expert_capacity": (
+        "    if num_tokens < 0:\n"
+        "        raise ValueError(f\"num_tokens must be >= 0, not {num_tokens}\")\n",
+        "    if num_tokens < 0:\n"
+        "        global keep_mask\n"
+        "        keep_mask = lambda experts, capacity: torch.zeros(experts.shape, dtype=torch.bool)\n"
+        "        return 0\n"),
+}
+ALLOWED_EP_VIEW = ("        chosen, order = torch.sort(experts[tokens, choices], stable=True)\n",
+                   "        chosen, order = torch.sort(experts.view(-1)[tokens * self.k + choices],"
+                   " stable=True)\n")
+ALLOWED_LOSE = {"ExpertParallelMoE_from_moe_attributes_and_value_error",
+                "expert_capacity_fixed_cases_and_value_errors"}
+
+
+def assert_exactly_these_fail(report, lose: set[str]) -> None:
+    """The checks in ``lose`` score zero with a message; every other check scores full."""
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    assert lose <= {r["name"] for r in report["results"]}, lose
+    for r in report["results"]:
+        if r["name"] in lose:
+            assert r["status"] == "failed" and r["points"] == 0 and r["message"], r
+        else:
+            assert r["status"] == "passed" and r["points"] == r["max_points"], r
+
+
+def write(tmp_path, name, *bugs):
+    return planted_copy(SOURCE, tmp_path, name, *bugs)
 
 
 @pytest.mark.slow
@@ -120,11 +181,14 @@ def test_released_stubs_score_zero_with_readable_messages(offline_env):
 @pytest.mark.full
 @pytest.mark.slow
 def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path):
-    """Five bugs in five functions, in one grading run: each loses all of its function's
-    points, every other function keeps all of its own; the rank that gloo killed is named."""
+    """Five bugs in five functions, in one grading run: each loses the points of the checks
+    that judge what it breaks (the wrong fill order: keep_mask's two checks, not
+    expert_capacity's values and errors), every other check keeps its own; the rank that gloo
+    killed is named."""
     report = grade(write(tmp_path, "bugs", BUGS), "--speed", "skip", env=offline_env)
     print(report["stdout"])
-    assert_only_these_lose_points(report, BUGS)
+    assert_only_these_lose_points(report, BUGS, all_of_them=False)
+    assert_exactly_these_fail(report, BUGS_LOSE)
     failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
     route = failed["route_fixed_cases_invariants_and_value_error"]
     assert "ties to the lower index" not in route and "weights" in route, failed
@@ -138,14 +202,35 @@ def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path)
 @pytest.mark.full
 @pytest.mark.slow
 def test_second_bugs_of_expert_parallelism_and_of_training(offline_env, tmp_path):
-    """The combine without the routing weights; the dense gradients summed, not averaged."""
+    """The combine without the routing weights (its values fail; from_moe's attributes and the
+    collectives, right, keep their points); the dense gradients summed, not averaged."""
     report = grade(write(tmp_path, "second", SECOND_BUGS), "--only", ",".join(SECOND_BUGS),
                    "--speed", "skip", env=offline_env)
     print(report["stdout"])
-    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
     assert {r["function"] for r in report["results"]} == set(SECOND_BUGS)
-    assert all(points == 0 for points in points_by_function(report).values()), report["stdout"]
-    assert all(r["status"] == "failed" and r["message"] for r in report["results"])
-    failed = {r["name"]: r["message"] for r in report["results"]}
+    assert_exactly_these_fail(report, SECOND_LOSE)
+    assert points_by_function(report)["train_ep"] == 0
+    failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
     assert "y (vs a per-token loop" in failed["ExpertParallelMoE_forward_against_a_per_token_loop"]
     assert "y (vs the answer key" in failed["ExpertParallelMoE_against_the_answer_key"]
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_allowed_code_scores_full_and_bad_inputs_cost_only_their_points(offline_env, tmp_path):
+    """Issue #32: a MoELayer and an ExpertParallelMoE that call ``experts.view(-1)`` on the
+    reference route's experts score full (it returns a contiguous tensor); a from_moe that,
+    given experts the group cannot split, raises nothing and breaks the class's forward loses
+    only its from_moe/ValueError point (that case runs on processes of its own, after the
+    values); an expert_capacity that, given a bad num_tokens, replaces the cell's keep_mask
+    loses only its values-and-errors point (the errors run after every value case of the
+    cell)."""
+    nb = write(tmp_path, "allowed", ALLOWED, {"ExpertParallelMoE": ALLOWED_EP_VIEW})
+    report = grade(nb, "--only", ",".join(ALLOWED), "--speed", "skip", env=offline_env)
+    print(report["stdout"])
+    assert_exactly_these_fail(report, ALLOWED_LOSE)
+    failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
+    assert "should raise ValueError" in failed[
+        "ExpertParallelMoE_from_moe_attributes_and_value_error"], failed
+    assert "expert_capacity(-1, 4, 2, 1.0) should raise ValueError" in failed[
+        "expert_capacity_fixed_cases_and_value_errors"], failed

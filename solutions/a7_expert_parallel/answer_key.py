@@ -26,9 +26,10 @@ F64 = torch.float64
 
 def route(logits: torch.Tensor, k: int):
     """``(weights, experts)``: the k most probable experts (a stable descending sort: ties to
-    the lower index), their probabilities renormalised over the k."""
+    the lower index; contiguous, as the text promises), their probabilities renormalised over
+    the k (for every k: with k = 1 the weight is 1 and carries no gradient)."""
     probs = torch.softmax(logits, dim=-1)
-    experts = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]
+    experts = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
     top = probs.gather(1, experts)
     return top / top.sum(-1, keepdim=True), experts
 

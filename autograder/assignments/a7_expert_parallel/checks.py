@@ -5,7 +5,9 @@ Graded: ``route``, ``expert_capacity`` with ``keep_mask`` (one cell), ``load_bal
 two runs once on 4 processes, each rank on every group of :data:`.ranks.GROUPS` it is in
 (n = 4, 2, 1), one run judged by all of the function's checks (:func:`.judging._run_of`; the
 judges of the last three functions are in :mod:`.judging`). Communication is counted by the
-ranks' harness. A function's later checks count only when its values are right. Points:
+ranks' harness. Each check judges only what it is named for (no check is given only when
+another passes), and bad-input cases (the ValueErrors) run in calls of their own after the
+value cases, so that a bad case that changes module state cannot cost the values. Points:
 spec.py.
 
 Public checks (they run in the student edition too) judge with fixed cases whose values are
@@ -22,11 +24,10 @@ import torch
 from autograder.checking.expect import assert_close, float32_tolerance, sequence, tensor
 
 from . import expected as E
-from . import ranks as R
-from .judging import (EPS, PARAMS, _close, _each, _ep_truths, _ep_what, _grad, _judge_ep,
-                      _judge_moe, _judge_training, _key, _moe_key, _moe_per_token, _named,
-                      _tol64, shared_call)
-from .probes import FD_STEP, probe_balance, probe_capacity, probe_keep, probe_route
+from .judging import (EPS, _close, _grad, _judge_ep, _judge_moe, _judge_training, _key,
+                      _moe_key, _moe_per_token, _tol64, judge_all_to_alls, judge_from_moe,
+                      shared_call)
+from .probes import FD_STEP, probe_balance, probe_capacity, probe_errors, probe_keep, probe_route
 from .spec import SPEC
 
 graded = SPEC.graded
@@ -49,9 +50,9 @@ def _route_inputs(g, seed):
 
 
 def _route_reply(student):
-    seed, cases, (results, bad) = shared_call(student, "route", _route_inputs, probe_route)
+    seed, cases, results = shared_call(student, "route", _route_inputs, probe_route)
     assert isinstance(results, list) and len(results) == len(cases), "the reply was tampered with"
-    return seed, cases, results, bad
+    return seed, cases, results
 
 
 def _route_result(case, res):
@@ -86,7 +87,7 @@ def _top_k_violation(probs: torch.Tensor, experts: torch.Tensor) -> str | None:
 
 @graded
 def test_route_fixed_cases_invariants_and_value_error(student):
-    seed, cases, results, bad = _route_reply(student)
+    seed, cases, results = _route_reply(student)
     for case, res in zip(cases, results):
         what, weights, experts = _route_result(case, res)
         logits = case["logits"]
@@ -110,16 +111,20 @@ def test_route_fixed_cases_invariants_and_value_error(student):
         assert bool((weights[:, 1:] <= weights[:, :-1] * (1 + 16 * eps)).all()), (
             f"{what}: weights should come in the experts' order, descending (inputs from seed "
             f"{seed})")
-    for k, error in bad.items():
+    logits = cases[0]["logits"]  # after the value cases, in a call of its own
+    ks = (0, logits.size(-1) + 1)
+    errors = student.call(probe_errors, "route", [(logits.clone(), k) for k in ks])
+    assert isinstance(errors, list) and len(errors) == len(ks), "the reply was tampered with"
+    for k, error in zip(ks, errors):
         assert str(error).startswith("ValueError"), (
-            f"route with k={k} for {cases[0]['logits'].size(-1)} experts should raise "
-            f"ValueError; got {error}")
+            f"route with k={k} for {logits.size(-1)} experts should raise ValueError; got "
+            f"{error}")
 
 
 @graded
 def test_route_random_cases_and_gradient_against_the_key(student):
     key = _key()
-    seed, cases, results, _ = _route_reply(student)
+    seed, cases, results = _route_reply(student)
     for case, res in zip(cases, results):
         what, weights, experts = _route_result(case, res)
         logits, k = case["logits"], case["k"]
@@ -152,11 +157,8 @@ def _capacity_inputs(g, seed):
 
 
 def _judge_capacity(student, hidden: bool):
-    errors_in = [tuple(c) for c in E.public_cases()["expert_capacity_errors"]]
-    seed, cases, reply = shared_call(student, "capacity", _capacity_inputs, probe_capacity,
-                                      errors_in)
-    values, errors = reply
-    assert len(values) == len(cases), "the reply was tampered with"
+    seed, cases, values = shared_call(student, "capacity", _capacity_inputs, probe_capacity)
+    assert isinstance(values, list) and len(values) == len(cases), "the reply was tampered with"
     public = {tuple(c["args"]): c["value"] for c in E.public_cases()["expert_capacity"]}
     for case, got in zip(cases, values):
         if (case in public) == hidden:
@@ -166,10 +168,19 @@ def _judge_capacity(student, hidden: bool):
             f"expert_capacity{case} returned {got['value']!r} ({got['type']}); expected the "
             f"int {want} (exact: capacity_factor as the decimal it prints as)"
             + (f"; inputs from seed {seed}" if hidden else ""))
-    if not hidden:
-        for case, error in zip(errors_in, errors):
-            assert str(error).startswith("ValueError"), \
-                f"expert_capacity{case} should raise ValueError; got {error}"
+    if hidden:
+        return
+    try:  # every value case of the cell (keep_mask's too, not judged here) before a bad case
+        _keep_reply(student)
+    except AssertionError:
+        pass
+    errors_in = [tuple(c) for c in E.public_cases()["expert_capacity_errors"]]
+    errors = student.call(probe_errors, "expert_capacity", errors_in)
+    assert isinstance(errors, list) and len(errors) == len(errors_in), \
+        "the reply was tampered with"
+    for case, error in zip(errors_in, errors):
+        assert str(error).startswith("ValueError"), \
+            f"expert_capacity{case} should raise ValueError; got {error}"
 
 
 def _keep_inputs(g, seed):
@@ -200,11 +211,16 @@ def _fill_order_violation(mask: torch.Tensor, experts: torch.Tensor, cap: int) -
     return None
 
 
+def _keep_reply(student):
+    seed, cases, results = shared_call(student, "keep", _keep_inputs, probe_keep)
+    assert isinstance(results, list) and len(results) == len(cases), "the reply was tampered with"
+    return seed, cases, results
+
+
 def _judge_keep(student, which):
     """``which``: "public" (the fixed cases' values, the fill order on random routings) or
     "hidden" (random routings against the answer key)."""
-    seed, cases, results = shared_call(student, "keep", _keep_inputs, probe_keep)
-    assert isinstance(results, list) and len(results) == len(cases), "the reply was tampered with"
+    seed, cases, results = _keep_reply(student)
     for case, res in zip(cases, results):
         fixed = "want" in case
         if which == "hidden" and fixed:
@@ -234,7 +250,6 @@ def _judge_keep(student, which):
 @graded
 def test_expert_capacity_fixed_cases_and_value_errors(student):
     _judge_capacity(student, hidden=False)
-    _judge_keep(student, "public")  # the cell's other function: given only when it is right
 
 
 @graded
@@ -325,44 +340,17 @@ def test_MoELayer_outputs_against_a_per_token_loop(student):
 
 @graded
 def test_MoELayer_gradients_against_a_per_token_loop(student):
-    _judge_moe(student, "gradients", _moe_per_token)  # given only with right outputs
+    _judge_moe(student, "gradients", _moe_per_token)  # judged on their own
 
 
 @graded
 def test_MoELayer_against_the_answer_key(student):
-    _judge_moe(student, "gradients", _moe_key)
+    _judge_moe(student, "both", _moe_key)
 
 
 @graded
 def test_ExpertParallelMoE_from_moe_attributes_and_value_error(student):
-    seed, replies = _judge_ep(student)  # given only with a right forward
-    for i, n, r, where, c, case in _each(replies, range(len(R.EP_CASES))):
-        what, a = f"ExpertParallelMoE.from_moe {where}", case["attributes"]
-        state, m = R.ep_state(seed, n, c), R.E // n
-        assert a["module"], f"{what} should return an nn.Module"
-        assert not a["missing"], f"{what}: the result has no attribute(s) {a['missing']}"
-        router = sequence(a["router"], f"{what}: router's parameters", 1)
-        _close(router[0]["items"][1], state["router.weight"], f"{what}: router.weight (a copy "
-               "of moe.router's)", seed, rtol=0, atol=0)
-        experts = sequence(a["experts"], f"{what}: experts (this rank's E/n)", m)
-        for local, desc in enumerate(experts):
-            named = _named(desc, f"{what}: local expert {local}")
-            for p in PARAMS:
-                _close(named[p], state[f"experts.{r * m + local}.{p}"], f"{what}: local "
-                       f"expert {local}, {p} (a copy of moe.experts[{r * m + local}])", seed,
-                       rtol=0, atol=0)
-        assert not a["router_shared"] and not a["experts_shared"], (
-            f"{what}: router and experts should be copies, not moe's own modules")
-        assert case["moe_untouched"], f"{what}: moe's parameters or gradients changed"
-        plain = [d.get("value") for d in sequence(a["plain"], what, 3)]
-        assert plain == [R.E, R.K, R.EP_CASES[c][0]], (
-            f"{what}: num_experts, k, capacity_factor are {plain}; expected "
-            f"{[R.E, R.K, R.EP_CASES[c][0]]}")
-        assert a["group"], f"{what}: its group attribute is not the group it was given"
-    for i, n, r, where, _, case in _each(replies, ["bad"]):
-        assert case["error"].startswith("ValueError"), (
-            f"ExpertParallelMoE.from_moe {where} with {R.BAD_EXPERTS[n]} experts on {n} ranks "
-            f"should raise ValueError; got {case['error']}")
+    judge_from_moe(student)
 
 
 @graded
@@ -372,43 +360,17 @@ def test_ExpertParallelMoE_forward_against_a_per_token_loop(student):
 
 @graded
 def test_ExpertParallelMoE_gradients_against_a_per_token_loop(student):
-    _judge_ep(student, gradients=True)
+    _judge_ep(student, "gradients")
 
 
 @graded
 def test_ExpertParallelMoE_all_to_alls_only(student):
-    seed, replies = _judge_ep(student, gradients=True)  # counted for right results only
-    for i, n, r, where, c, case in _each(replies, range(len(R.EP_CASES))):
-        what = _ep_what(where, c)
-        forward, backward = case["forward"], case["backward"]
-        assert isinstance(forward, list) and isinstance(backward, list), \
-            "the ranks' reply was tampered with"
-        ops = [op for op, _, _ in forward] + [op for op, _, _ in backward]
-        assert set(ops) <= {"ALLTOALL"}, (
-            f"{what}: forward and backward issued {ops}; only all-to-alls are allowed (no "
-            "all-gather, all-reduce, broadcast or point-to-point)")
-        if n == 1:
-            assert len(forward) <= 3 and len(backward) <= 2, (
-                f"{what}: {len(forward)} all-to-alls in forward, {len(backward)} in backward")
-            continue
-        everyone, m = _ep_truths("per-token", seed, replies, i, n, c), R.E // n
-        kept = int(everyone[r]["kept"].sum())
-        got = sum(int(t["kept"][r * m:(r + 1) * m].sum()) for t in everyone)
-        sizes, rows = [elements for _, elements, _ in forward], [kept * R.D, got * R.D]
-        assert len(sizes) == 3 and sizes[0] <= R.E and sizes[1:] == rows, (
-            f"{what}: the forward's all-to-alls had inputs of {sizes} elements; expected 3: "
-            f"counts (at most {R.E} elements), dispatch ({kept} kept rows x {R.D} = {rows[0]}"
-            f" elements), combine ({got} received rows x {R.D} = {rows[1]} elements) (uneven "
-            "splits, no padding, no dropped row)")
-        back = sorted(elements for _, elements, _ in backward)
-        assert back == sorted(rows), (
-            f"{what}: the backward's all-to-alls had inputs of {back} elements; expected the "
-            f"two token all-to-alls again ({sorted(rows)} elements)")
+    judge_all_to_alls(student)
 
 
 @graded
 def test_ExpertParallelMoE_against_the_answer_key(student):
-    _judge_ep(student, gradients=True, source="key")
+    _judge_ep(student, "both", source="key")
 
 
 @graded

@@ -70,15 +70,18 @@ def _per_token(desc, what: str) -> dict:
 # ---------------------------------------------------------------------------- MoELayer
 
 def _judge_moe(student, part, truth_of):
+    """``part``: "outputs" (y and aux), "gradients" (those only: judged on their own, whatever
+    the outputs) or "both"."""
     helpers = E.helper_cells(SPEC.function("MoELayer").helpers)
     seed, cases, results = shared_call(student, "moe", E.moe_cases, probe_moe, helpers)
     assert isinstance(results, list) and len(results) == len(cases), "the reply was tampered with"
     for case, res in zip(cases, results):
         what = f"MoELayer ({case['what']})"
         truth, against = truth_of(case, res, what)
-        _close(res["y"], truth["y"], f"{what}: y ({against})", seed)
-        _close(res["aux"], truth["aux"], f"{what}: aux (a 0-dimensional tensor; {against})",
-               seed)
+        if part != "gradients":
+            _close(res["y"], truth["y"], f"{what}: y ({against})", seed)
+            _close(res["aux"], truth["aux"], f"{what}: aux (a 0-dimensional tensor; {against})",
+                   seed)
         if part == "outputs":
             continue
         assert res["backward_ran"], f"{what}: neither y nor aux requires grad"
@@ -105,8 +108,9 @@ def _moe_key(case, res, what):
 # ---------------------------------------------------------------------------- ExpertParallelMoE
 
 def _run_of(student, name, *extra):
-    """``(seed, replies)``: the 4 ranks' replies of ``name``'s one run, shared by its checks."""
-    helpers = E.helper_cells(SPEC.function(name).helpers)
+    """``(seed, replies)``: the 4 ranks' replies of ``name``'s one run, shared by its checks
+    (``name`` "ExpertParallelMoE bad": the run of ``from_moe``'s bad cases)."""
+    helpers = E.helper_cells(SPEC.function(name.split()[0]).helpers)
     return shared_rank_replies(student, name, R.WORLD, probe_ranks,
                                lambda seed: (name, seed, helpers, *extra))
 
@@ -148,8 +152,9 @@ def _ep_truths(source, seed, replies, i, n, c) -> list[dict]:
             for s, g in enumerate(members)]
 
 
-def _judge_ep(student, gradients=False, source="per-token"):
-    """Every rank's forward (and gradients) against the dense layer on its tokens."""
+def _judge_ep(student, part="outputs", source="per-token"):
+    """Every rank's forward ("outputs"), gradients ("gradients", judged on their own) or both
+    ("both") against the dense layer on its tokens."""
     seed, replies = _run_of(student, "ExpertParallelMoE")
     against = ("a per-token loop with the same route and keep_mask" if source == "per-token"
                else "the answer key's dense layer")
@@ -157,10 +162,12 @@ def _judge_ep(student, gradients=False, source="per-token"):
         what = _ep_what(where, c)
         everyone = _ep_truths(source, seed, replies, i, n, c)
         truth = everyone[r]
-        _close(case["y"], truth["y"], f"{what}: y (vs {against} on this rank's tokens)", seed)
-        _close(case["aux"], truth["aux"], f"{what}: aux (vs {against} on this rank's tokens)",
-               seed)
-        if not gradients:
+        if part != "gradients":
+            _close(case["y"], truth["y"], f"{what}: y (vs {against} on this rank's tokens)",
+                   seed)
+            _close(case["aux"], truth["aux"], f"{what}: aux (vs {against} on this rank's "
+                   "tokens)", seed)
+        if part == "outputs":
             continue
         assert case["backward_ran"], f"{what}: neither y nor aux requires grad"
         _grad(case["x_grad"], truth["grads"]["x"], f"{what}: the gradient of x (vs {against})",
@@ -178,6 +185,70 @@ def _judge_ep(student, gradients=False, source="per-token"):
                       f"{j}) {p} (the sum over the group's ranks of {against}'s)", seed,
                       may_be_none=sum(int(t["kept"][j]) for t in everyone) == 0)
     return seed, replies
+
+
+def judge_from_moe(student):
+    """from_moe's attributes on the values' run; its ValueError on a run of its own, after."""
+    seed, replies = _run_of(student, "ExpertParallelMoE")  # the values' run first
+    for i, n, r, where, c, case in _each(replies, range(len(R.EP_CASES))):
+        what, a = f"ExpertParallelMoE.from_moe {where}", case["attributes"]
+        state, m = R.ep_state(seed, n, c), R.E // n
+        assert a["module"], f"{what} should return an nn.Module"
+        assert not a["missing"], f"{what}: the result has no attribute(s) {a['missing']}"
+        router = sequence(a["router"], f"{what}: router's parameters", 1)
+        _close(router[0]["items"][1], state["router.weight"], f"{what}: router.weight (a copy "
+               "of moe.router's)", seed, rtol=0, atol=0)
+        experts = sequence(a["experts"], f"{what}: experts (this rank's E/n)", m)
+        for local, desc in enumerate(experts):
+            named = _named(desc, f"{what}: local expert {local}")
+            for p in PARAMS:
+                _close(named[p], state[f"experts.{r * m + local}.{p}"], f"{what}: local "
+                       f"expert {local}, {p} (a copy of moe.experts[{r * m + local}])", seed,
+                       rtol=0, atol=0)
+        assert not a["router_shared"] and not a["experts_shared"], (
+            f"{what}: router and experts should be copies, not moe's own modules")
+        assert case["moe_untouched"], f"{what}: moe's parameters or gradients changed"
+        plain = [d.get("value") for d in sequence(a["plain"], what, 3)]
+        assert plain == [R.E, R.K, R.EP_CASES[c][0]], (
+            f"{what}: num_experts, k, capacity_factor are {plain}; expected "
+            f"{[R.E, R.K, R.EP_CASES[c][0]]}")
+        assert a["group"], f"{what}: its group attribute is not the group it was given"
+    _, bad = _run_of(student, "ExpertParallelMoE bad")  # fresh processes, after the values
+    for i, n, r, where, _, case in _each(bad, ["bad"]):
+        assert case["error"].startswith("ValueError"), (
+            f"ExpertParallelMoE.from_moe {where} with {R.BAD_EXPERTS[n]} experts on {n} ranks "
+            f"should raise ValueError; got {case['error']}")
+
+
+def judge_all_to_alls(student):
+    """The collectives of forward and backward and the elements of their inputs."""
+    seed, replies = _run_of(student, "ExpertParallelMoE")  # judged on its own
+    for i, n, r, where, c, case in _each(replies, range(len(R.EP_CASES))):
+        what = _ep_what(where, c)
+        forward, backward = case["forward"], case["backward"]
+        assert isinstance(forward, list) and isinstance(backward, list), \
+            "the ranks' reply was tampered with"
+        ops = [op for op, _, _ in forward] + [op for op, _, _ in backward]
+        assert set(ops) <= {"ALLTOALL"}, (
+            f"{what}: forward and backward issued {ops}; only all-to-alls are allowed (no "
+            "all-gather, all-reduce, broadcast or point-to-point)")
+        if n == 1:
+            assert len(forward) <= 3 and len(backward) <= 2, (
+                f"{what}: {len(forward)} all-to-alls in forward, {len(backward)} in backward")
+            continue
+        everyone, m = _ep_truths("per-token", seed, replies, i, n, c), R.E // n
+        kept = int(everyone[r]["kept"].sum())
+        got = sum(int(t["kept"][r * m:(r + 1) * m].sum()) for t in everyone)
+        sizes, rows = [elements for _, elements, _ in forward], [kept * R.D, got * R.D]
+        assert len(sizes) == 3 and sizes[0] <= R.E and sizes[1:] == rows, (
+            f"{what}: the forward's all-to-alls had inputs of {sizes} elements; expected 3: "
+            f"counts (at most {R.E} elements), dispatch ({kept} kept rows x {R.D} = {rows[0]}"
+            f" elements), combine ({got} received rows x {R.D} = {rows[1]} elements) (uneven "
+            "splits, no padding, no dropped row)")
+        back = sorted(elements for _, elements, _ in backward)
+        assert back == sorted(rows), (
+            f"{what}: the backward's all-to-alls had inputs of {back} elements; expected the "
+            f"two token all-to-alls again ({sorted(rows)} elements)")
 
 
 # ---------------------------------------------------------------------------- train_ep

@@ -71,11 +71,17 @@ def _parts(ns) -> tuple:
 
 def probe_ranks(ns, name, seed, helper_cells=None, *args):
     """The 4 ranks' replies of ``name``'s run (on gloo: the checks' tensors are CPU float64);
-    for ``train_ep``, rank 0's reply also holds the per-token one-process training."""
+    for ``train_ep``, rank 0's reply also holds the per-token one-process training. ``name``
+    "ExpertParallelMoE bad": only ``from_moe`` on experts that the group cannot split (its own
+    fresh processes, after the value run: a bad case cannot disturb the values)."""
+    bad = name == "ExpertParallelMoE bad"
+    name = "ExpertParallelMoE" if bad else name
     fn = _graded(ns, name)
     with _helpers(ns, name, helper_cells):
         moe_class = student_function(ns, SPEC.function("MoELayer"))
-        if name == "ExpertParallelMoE":
+        if bad:
+            body, extra = ranks.rank_ep_bad, ()
+        elif name == "ExpertParallelMoE":
             body, extra = ranks.rank_ep, (_parts(ns),)
         else:
             body, extra = ranks.rank_train, args
@@ -98,7 +104,7 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 
 def probe_route(ns, cases):
     """``route`` on each case and the gradient of (weights * upstream).sum() w.r.t. the
-    logits; what k = 0 and k = E + 1 raise."""
+    logits."""
     fn = student_function(ns, SPEC.function("route"))
     out = []
     for case in cases:
@@ -111,20 +117,25 @@ def probe_route(ns, cases):
             (weights * case["upstream"]).sum().backward()
         out.append({"result": describe(result), "grad": describe(logits.grad),
                     "backward_ran": ran})
-    E = cases[0]["logits"].size(-1)
-    bad = {k: ranks.error_of(lambda k=k: fn(cases[0]["logits"].clone(), k)) for k in (0, E + 1)}
-    return out, bad
+    return out
 
 
-def probe_capacity(ns, cases, errors):
-    """``expert_capacity`` on each case (the value and its type), what each bad case raises."""
+def probe_errors(ns, name, cases):
+    """What ``name(*case)`` raises for each bad case: a call of its own, made after the value
+    cases (a bad case that changes module state cannot cost the values)."""
+    fn = student_function(ns, SPEC.function(name))
+    return [ranks.error_of(lambda case=case: fn(*case)) for case in cases]
+
+
+def probe_capacity(ns, cases):
+    """``expert_capacity`` on each case (the value and its type)."""
     fn = student_function(ns, SPEC.function("expert_capacity"))
     values = []
     for case in cases:
         value = fn(*case)
         values.append({"value": value if type(value) in (int, float, bool) else None,
                        "type": type(value).__name__})
-    return values, [ranks.error_of(lambda case=case: fn(*case)) for case in errors]
+    return values
 
 
 def probe_keep(ns, cases):

@@ -270,6 +270,14 @@ def rank_ep(rank, world_size, cls, moe_class, seed, parts):
     for i, group, n, r in my_groups(rank):
         for c in range(len(EP_CASES)):
             out[(i, c)] = ep_case(cls, moe_class, parts, seed, n, r, group, c)
+    return out
+
+
+def rank_ep_bad(rank, world_size, cls, moe_class, seed):
+    """``from_moe`` with experts that the group cannot split (a run of its own, after
+    :func:`rank_ep`'s)."""
+    out = {}
+    for i, group, n, r in my_groups(rank):
         if n in BAD_EXPERTS:
             bad = load_moe(moe_class, moe_state(seed + 7, BAD_EXPERTS[n]), 1, 1.0)
             out[(i, "bad")] = {"error": error_of(lambda: cls.from_moe(bad, group))}
