@@ -274,3 +274,146 @@ def test_planning_estimates_add_up():
             planning.estimate_memory(model, planning.Layout(global_batch=8, **bad))
     with pytest.raises(ValueError, match="multiple"):
         planning.Layout(dp=3, global_batch=8).micro_batches
+
+
+def _llama(layers, hidden, heads, ffn, seq=8192):
+    from course import planning
+
+    n_params = planning.llama_params(layers, hidden, heads, 8, ffn, 128256)
+    return planning.Model(n_params, layers, hidden, heads, seq, vocab=128256, kv_heads=8)
+
+
+def test_planning_interleaved_first_stage_counts_chunks_not_micro_batches():
+    """Korthikanti 4.2.3: an interleaved first stage holds 1 + (p - 1) / (p v) times 1F1B's, v the model
+    chunks per rank (the paper's m); it was computed with the micro-batches, which hid lesson 16's answer
+    16.4 (Llama 3 405B, v = 2: about 106 GB of activations, 113 GB in all, not 74 and 81)."""
+    from course import planning
+
+    llama405 = _llama(126, 16384, 128, 53248)
+    base = dict(tp=8, pp=16, dp=64, zero=2, sp=True, recompute="selective", micro_batch=1, global_batch=2048)
+    one, two = planning.Layout(**base), planning.Layout(**base, interleave=2)
+    assert planning.stage_in_flight(one) == 16 and planning.stage_in_flight(two) == 16 * (1 + 15 / (16 * 2))
+    memory = planning.estimate_memory(llama405, two)
+    assert memory["activations"] == pytest.approx(
+        planning.estimate_memory(llama405, one)["activations"] * (1 + 15 / 32))
+    assert round(memory["activations"] / 1e9) == 106 and round(memory["total"] / 1e9) == 113
+    assert round(memory["grads"] / 1e9, 2) == 0.10                    # ZeRO-2: 405.9e9 / 128 x 2 / 64
+    # the last rank: ((v - 1) p + 1) / v micro-batches' worth; Megatron's warm-up is capped at m v chunks
+    assert planning.stage_in_flight(two, "last") == (16 + 1) / 2
+    assert planning.stage_in_flight(planning.Layout(**dict(base, global_batch=1024), interleave=2)) == 16
+    for bad in (dict(interleave=2, schedule="gpipe"), dict(interleave=0)):
+        with pytest.raises(ValueError):
+            planning.stage_in_flight(planning.Layout(**base, **bad))
+
+
+def test_planning_zero_traffic_under_gradient_accumulation():
+    """ZeRO-3 gathers the weights again in every micro-batch (1.5 all-reduces' bytes each, hidden at most
+    behind that micro-batch's compute); ZeRO-0/1 accumulate locally and reduce once, behind the last
+    micro-batch's backward only; ZeRO-2 reduce-scatters every micro-batch. Lesson 16 called ZeRO-3
+    'free' for 70B as TP 8 x DP 8 (64 micro-batches per replica): by the model it costs 3.2 s a step."""
+    from course import planning
+
+    h100, links = planning.H100, dict(tp_bandwidth=450e9, dp_bandwidth=50e9, pp_bandwidth=50e9)
+    llama8 = _llama(32, 4096, 32, 14336)
+    psi = llama8.n_params * 2
+    for zero, m in [(0, 8), (1, 8), (2, 8), (3, 8), (3, 1)]:
+        layout = planning.Layout(dp=64, zero=zero, global_batch=64 * m, recompute="selective")
+        compute = planning.estimate_step(llama8, layout, h100, **links)["compute"]
+        traffic, exposed = planning.data_parallel_seconds(llama8, layout, compute, 50e9)
+        ring = planning.allreduce_seconds(psi, 64, 50e9)
+        backward = compute / m * 2 / 3
+        if zero < 2:
+            assert traffic == pytest.approx(ring) and exposed == pytest.approx(max(0, ring - backward))
+        elif zero == 2:
+            assert traffic == pytest.approx((m + 1) / 2 * ring)
+        else:
+            assert traffic == pytest.approx(1.5 * m * ring)
+            assert exposed == pytest.approx(m * max(0, 1.5 * ring - compute / m))
+    # lesson 16's 8B on 64 GPUs: ZeRO-1 0.10 s exposed (not 0), ZeRO-3 7.6 s of traffic, 1.2 s exposed
+    zero1, zero3 = (planning.estimate_step(llama8, planning.Layout(dp=64, zero=z, global_batch=512,
+                                                                   recompute="selective"), h100, **links)
+                    for z in (1, 3))
+    assert round(zero1["exposed_dp"], 2) == 0.10 and round(zero1["mfu"], 2) == 0.49
+    assert round(zero3["dp"], 1) == 7.6 and round(zero3["exposed_dp"], 1) == 1.2
+    assert round(zero3["mfu"], 2) == 0.42
+    llama70 = _llama(80, 8192, 64, 28672)
+    tp8 = dict(tp=8, dp=8, sp=True, global_batch=512, recompute="selective")
+    zero1, zero3 = (planning.estimate_step(llama70, planning.Layout(zero=z, **tp8), h100, **links)
+                    for z in (1, 3))
+    assert zero3["total"] - zero1["total"] == pytest.approx(3.1, abs=0.05)
+    assert (round(zero1["mfu"], 2), round(zero3["mfu"], 2)) == (0.42, 0.40)
+    plain_dp = planning.Layout(dp=64, global_batch=512)
+    unhidden = planning.estimate_step(llama8, plain_dp, h100, overlap_dp=False, **links)
+    assert unhidden["exposed_dp"] == pytest.approx(planning.allreduce_seconds(psi, 64, 50e9))
+
+
+def test_planning_counts_the_output_layer_on_the_last_stage():
+    """Korthikanti 4.3: 4 s b h / t (1 + V / h) bytes for the final norm, the output layer and the fp32
+    logits: 4.3 GB per 8192-token sequence at Llama 3's 128,256 vocabulary and h = 4096, which made
+    lesson 16's 'ZeRO-1 just fits (70 GB)' about 74 GB. On the last stage only."""
+    from course import planning
+
+    assert planning.output_layer_bytes(8192, 1, 4096, 128256) == 4 * 8192 * (4096 + 128256)
+    assert round(planning.output_layer_bytes(8192, 1, 4096, 128256) / 1e9, 1) == 4.3
+    assert planning.output_layer_bytes(8192, 2, 4096, 128256, tp=8, cp=2) == pytest.approx(
+        planning.output_layer_bytes(8192, 1, 4096, 128256) / 8)
+    llama8 = _llama(32, 4096, 32, 14336)
+    zero1 = planning.Layout(dp=64, zero=1, global_batch=512, recompute="selective")
+    memory = planning.estimate_memory(llama8, zero1)
+    assert memory["output"] == planning.output_layer_bytes(8192, 1, 4096, 128256)
+    assert round(memory["total"] / 1e9, 1) == 74.5
+    piped = planning.Layout(tp=8, pp=4, dp=2, zero=1, sp=True, global_batch=512, recompute="selective")
+    llama70 = _llama(80, 8192, 64, 28672)
+    first, last = (planning.estimate_memory(llama70, piped, stage=s) for s in ("first", "last"))
+    assert first["output"] == 0 and last["output"] == planning.output_layer_bytes(8192, 1, 8192, 128256, tp=8)
+    assert last["activations"] == first["activations"] / 4                  # 1F1B: pp micro-batches against one
+    gpipe = planning.Layout(pp=4, global_batch=8, schedule="gpipe")
+    assert planning.estimate_memory(llama8, gpipe, stage="last")["output"] == 8 * planning.output_layer_bytes(
+        8192, 1, 4096, 128256)
+    assert planning.estimate_memory(planning.Model(1e9, 4, 64, 4, 16), gpipe, stage="last")["output"] == 0
+    with pytest.raises(ValueError):
+        planning.estimate_memory(llama8, gpipe, stage="middle")
+
+
+def test_planning_attention_flops_zero_bubble_and_context_parallelism():
+    """Attention's FLOPs (Kaplan Table 1: 2 L s h a token forward, 6 L s h in training) against 6N for a
+    405B model: 4 % at 8,192 tokens, two thirds more at 131,072; ZB-H1's bubble (Qi et al. 2024) is a
+    third of 1F1B's; context parallelism splits the tokens, shards ZeRO over dp x cp and all-gathers
+    K and V (Llama 3, 3.3.2)."""
+    from course import planning
+
+    llama405 = _llama(126, 16384, 128, 53248)
+    share = [planning.attention_flops(126, 16384, s, 1) / planning.training_flops(llama405.n_params, 1)
+             for s in (8192, 131072)]
+    assert round(share[0], 3) == 0.042 and round(share[1], 2) == 0.67
+    assert planning.attention_flops(2, 8, 16, 10, "full") == 8 * 2 * 16 * 8 * 10
+    h100, links = planning.H100, dict(tp_bandwidth=450e9, dp_bandwidth=50e9, pp_bandwidth=50e9)
+    layout = planning.Layout(tp=8, pp=16, dp=64, zero=2, sp=True, recompute="selective", global_batch=2048)
+    plain, counted = (planning.estimate_step(llama405, layout, h100, attention=a, **links)
+                      for a in (False, True))
+    assert counted["compute"] == pytest.approx(plain["compute"] * (1 + share[0]))
+    parts = ("compute", "bubble", "tp", "cp", "exposed_dp", "pp")
+    assert plain["total"] == pytest.approx(sum(plain[k] for k in parts))
+    one_f_one_b = planning.pipeline_bubble(16, 32)
+    assert planning.pipeline_bubble(16, 32, schedule="zb-h1") == pytest.approx(one_f_one_b / 3)
+    for bad in (dict(interleave=2, schedule="zb-h1"), dict(schedule="other")):
+        with pytest.raises(ValueError):
+            planning.pipeline_bubble(16, 32, **bad)
+    zb_layout = planning.Layout(**{**layout.__dict__, "schedule": "zb-h1"})
+    zb = planning.estimate_step(llama405, zb_layout, h100, **links)
+    assert zb["bubble"] == pytest.approx(plain["bubble"] / 3)
+    assert planning.stage_in_flight(planning.Layout(pp=16, global_batch=32, schedule="zb-h1")) == 16
+    # context parallelism: Llama 3's long-context row (TP 8, CP 16, PP 16, DP 8, 131,072 tokens)
+    long = _llama(126, 16384, 128, 53248, seq=131072)
+    cp = planning.Layout(tp=8, cp=16, pp=16, dp=8, zero=2, sp=True, recompute="selective", global_batch=128)
+    assert cp.gpus == 16384 and cp.micro_batches == 16
+    assert planning.estimate_memory(long, cp)["activations"] == pytest.approx(
+        planning.estimate_memory(llama405, layout)["activations"])          # 8,192 of each sequence's tokens
+    assert planning.model_state_memory(long, cp)["grads"] == pytest.approx(llama405.n_params / 128 * 2 / 128)
+    assert planning.activation_bytes(1024, 1, 64, 4, cp=4) == pytest.approx(
+        256 * 64 * (34 + 5 * 4 * 1024 / 64))                                  # s / cp tokens against all s keys
+    step = planning.estimate_step(long, cp, h100, cp_bandwidth=50e9, **links)
+    kv = 2 * 131072 * 16384 * 8 / 128 * 2 / 8          # K and V bytes per tp rank and layer
+    assert step["cp"] == pytest.approx(126 / 16 * 16 * 2 * planning.allgather_seconds(kv, 16, 50e9))
+    with pytest.raises(ValueError, match="cp_bandwidth"):
+        planning.estimate_step(long, cp, h100, **links)
