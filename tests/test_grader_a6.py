@@ -4,8 +4,10 @@ loses exactly the points of the function it breaks.
 Every grading run starts one 4-process run per function, so bugs that break different functions
 are planted together: ``ring_attention`` is graded with the reference ``merge_attention``, and
 ``train_cp`` with the reference ring and Ulysses, so each bug costs its own function only. The
-second bug of ``ring_attention`` and of ``train_cp`` gets a second run (``--only`` those two), and
-a ring that all-gathers K/V (right values, wrong communication) a third. With the answer key
+second bug of ``ring_attention`` and of ``train_cp`` gets a second run (``--only`` those two), a
+ring that all-gathers K/V (right values, wrong communication) a third, a ring that sends to
+itself on one rank (with a zig-zag training that keeps contiguous positions) a fourth, and a ring
+that keeps every K/V block for backward a fifth. With the answer key
 (the instructor's repository) the planted bugs lose their public and hidden checks; without it
 (the student's view) the reference earns every public point and the hidden check is reserved.
 Without processes: public_cases.json is the key's public_cases(), and the public merge check's
@@ -82,6 +84,27 @@ ALL_GATHER_RING = {"ring_attention": (
     "    return torch.softmax(scores, -1) @ V\n")}
 
 
+# The dK/dV accumulators' last hop made on one rank too: a send to itself, which gloo refuses
+# (the text: on one rank nothing is sent); n = 2, 3, 4 stay right
+SELF_SEND_RING = {"ring_attention": (
+    "            if n > 1:                               # the accumulator follows its K/V\n",
+    "            if True:                                # the accumulator follows its K/V\n")}
+# mode "ring_zigzag" shards the tokens zig-zag but gives the model contiguous positions
+ZIGZAG_POSITIONS_TRAINING = {"train_cp": (
+    "        ids, labels, positions = (zigzag_shard(t, -1, group) for t in (inputs, targets, "
+    "positions))\n",
+    "        ids, labels = (zigzag_shard(t, -1, group) for t in (inputs, targets))\n"
+    "        positions = positions.chunk(n)[r]\n")}
+# Right values and communication, but every K/V block that passes by in forward stays on ctx
+# for backward: O(S) memory per rank
+KEEPS_EVERY_BLOCK_RING = {"ring_attention": (
+    "                k_blk, v_blk = _unpack(kv, k.shape, v.shape)\n"
+    "                o, l = _attend(",
+    "                ctx.__dict__.setdefault('blocks', []).append(kv)\n"
+    "                k_blk, v_blk = _unpack(kv, k.shape, v.shape)\n"
+    "                o, l = _attend(")}
+
+
 def key():
     """The answer key (solutions/a6_context_parallel/answer_key.py): the instructor's repository
     has it."""
@@ -90,8 +113,8 @@ def key():
     return module
 
 
-def write(tmp_path, name, bugs):
-    return planted_copy(SOURCE, tmp_path, name, bugs)
+def write(tmp_path, name, *bugs):
+    return planted_copy(SOURCE, tmp_path, name, *bugs)
 
 
 @pytest.mark.slow
@@ -199,12 +222,17 @@ def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path)
     points, every other function keeps all of its own."""
     report = grade(write(tmp_path, "bugs", BUGS), "--speed", "skip", env=offline_env)
     print(report["stdout"])
-    assert_only_these_lose_points(report, BUGS)
+    assert_only_these_lose_points(report, BUGS, all_of_them=False)
+    points = points_by_function(report)
+    assert all(points[f] == 0 for f in BUGS if f != "train_cp"), points
+    # the unknown-mode check judges the ValueError, not the training (no gate on values)
+    assert points["train_cp"] == 1, report["stdout"]
     failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
     assert "NaN" in failed["merge_attention_matches_attention_over_all_keys"], failed
     assert failed["merge_attention_hidden_cases"], failed
     assert "zigzag_shard (chunk r, then chunk 2n-1-r" in failed["zigzag_shard_and_unshard"]
-    assert "train_cp(mode='ring')" in failed["train_cp_ring_matches_one_process_training"]
+    assert "train_cp(mode='ring')" in failed[
+        "train_cp_ring_both_layouts_match_one_process_training"]
 
 
 @pytest.mark.full
@@ -216,9 +244,11 @@ def test_second_bugs_of_the_ring_and_of_training(offline_env, tmp_path):
     print(report["stdout"])
     assert report["returncode"] == 0, report["stdout"] + report["stderr"]
     assert {r["function"] for r in report["results"]} == set(SECOND_BUGS)
-    assert all(points == 0 for points in points_by_function(report).values()), report["stdout"]
-    assert all(r["status"] == "failed" and r["message"] for r in report["results"])
-    failed = {r["name"]: r["message"] for r in report["results"]}
+    assert points_by_function(report) == {"ring_attention": 0, "train_cp": 1}, report["stdout"]
+    failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
+    assert set(failed) == {c.name for c in SPEC.checks if c.function in SECOND_BUGS} - {
+        "train_cp_unknown_mode_raises_value_error"}, failed
+    assert all(failed.values()), failed
     assert "the gradient of k" in failed["ring_attention_contiguous_outputs_and_gradients"]
 
 
@@ -226,7 +256,8 @@ def test_second_bugs_of_the_ring_and_of_training(offline_env, tmp_path):
 @pytest.mark.slow
 def test_a_ring_that_all_gathers_loses_the_communication_check(offline_env, tmp_path):
     """Right outputs and gradients from an all-gather of K/V: the value checks pass, the
-    point-to-point check fails (and the memory check: scores against the whole sequence)."""
+    point-to-point check fails (and the memory check: autograd keeps the gathered K and V of the
+    whole sequence for backward, and scores against the whole sequence)."""
     report = grade(write(tmp_path, "gather", ALL_GATHER_RING), "--only", "ring_attention",
                    "--speed", "skip", env=offline_env)
     print(report["stdout"])
@@ -238,4 +269,70 @@ def test_a_ring_that_all_gathers_loses_the_communication_check(offline_env, tmp_
     p2p = status["ring_attention_point_to_point_within_bounds"]
     assert p2p["status"] == "failed" and "ALLGATHER" in p2p["message"], p2p
     memory = status["ring_attention_memory_and_causal_skipping"]
-    assert memory["status"] == "failed" and "batch*heads*L*L" in memory["message"], memory
+    assert memory["status"] == "failed" and "for backward" in memory["message"], memory
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_one_rank_sends_nothing_and_zigzag_training(offline_env, tmp_path):
+    """Issue #32 D: a ring whose gradient accumulators make their last hop on one rank too
+    (right on n = 2, 3, 4) loses the ring's points with gloo's refusal, named by the group of 1,
+    after the groups before it were judged; a zig-zag training with contiguous positions loses
+    the ring-training point only."""
+    report = grade(write(tmp_path, "self", SELF_SEND_RING, ZIGZAG_POSITIONS_TRAINING), "--only",
+                   "ring_attention,train_cp", "--speed", "skip", env=offline_env)
+    print(report["stdout"])
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    assert points_by_function(report) == {"ring_attention": 0, "train_cp": 2}, report["stdout"]
+    status = {r["name"]: r for r in report["results"]}
+    ring = status["ring_attention_contiguous_outputs_and_gradients"]
+    assert ring["status"] == "failed" and "a group of 1 process" in ring["message"], ring
+    training = status["train_cp_ring_both_layouts_match_one_process_training"]
+    assert training["status"] == "failed" and "ring_zigzag" in training["message"], training
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_a_ring_that_keeps_every_block_loses_only_the_memory_check(offline_env, tmp_path):
+    """Issue #32 spec gap 3: right values and communication, but the K/V blocks of the other
+    ranks kept on ctx for backward (O(S) per rank): only the memory check fails."""
+    report = grade(write(tmp_path, "keep", KEEPS_EVERY_BLOCK_RING), "--only", "ring_attention",
+                   "--speed", "skip", env=offline_env)
+    print(report["stdout"])
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    failed = {r["name"]: r["message"] for r in report["results"] if r["status"] != "passed"}
+    assert list(failed) == ["ring_attention_memory_and_causal_skipping"], failed
+    assert "for backward" in failed["ring_attention_memory_and_causal_skipping"], failed
+
+
+def test_held_for_backward_counts_saved_and_ctx_tensors():
+    """What the memory check counts, without processes: tensors saved for backward (custom
+    Functions and autograd's ops), tensors kept on ctx (in lists too), a storage once."""
+    q, k, v = (torch.randn(R.B, R.H, R.L, R.D, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    block, rows = q.numel(), R.B * R.H * R.L
+
+    class Saves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, keep):
+            out, lse = q * 2, q.sum(-1)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.kept = [torch.cat([k, v]) for _ in range(keep)]
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None, None, None
+
+    def held(fn):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                      lambda t: t):
+            out = fn()
+        return R.held_for_backward(out, saved)
+
+    assert held(lambda: Saves.apply(q, k, v, 0)) == 4 * block + rows
+    assert held(lambda: Saves.apply(q, k, v, 3)) == 10 * block + rows > C.HELD
+    assert held(lambda: Saves.apply(q.transpose(1, 2), k, v, 0)) == 4 * block + rows
+    assert held(lambda: torch.softmax(q @ k.transpose(-2, -1), -1) @ v) == \
+        3 * block + R.B * R.H * R.L * R.L

@@ -24,7 +24,8 @@ Deliberately other choices than a typical solution's:
   own ``torch.autograd.Function`` around ``dist.all_to_all_single`` (even splits make the
   backward the same all-to-all);
 - ``train_cp`` uses ``torch.optim.SGD`` (no momentum, no weight decay: the same
-  ``p -= lr * p.grad``) and all-reduces the gradients flattened into one buffer.
+  ``p -= lr * p.grad``), all-reduces the gradients flattened into one buffer, and picks the
+  zig-zag positions with ``index_select`` of its own position list (not ``zigzag_shard``).
 '''
 
 ANSWERS = {
@@ -284,6 +285,8 @@ def train_cp(model_fn, tokens, *, mode, steps, lr, group=None):
     """Context-parallel SGD on this rank's slice of the sequence; the global losses and params."""
     attentions = {
         "ring": lambda q, k, v: ring_attention(q, k, v, causal=True, group=group),
+        "ring_zigzag": lambda q, k, v: ring_attention(q, k, v, causal=True, group=group,
+                                                      layout="zigzag"),
         "ulysses": lambda q, k, v: ulysses_attention(q, k, v, causal=True, group=group),
     }
     if mode not in attentions:
@@ -291,10 +294,17 @@ def train_cp(model_fn, tokens, *, mode, steps, lr, group=None):
     attention = attentions[mode]
     n, r = dist.get_world_size(group), dist.get_rank(group)
     batch, whole = tokens.size(0), tokens.size(1) - 1
-    length = whole // n
-    inputs = tokens[:, :-1].narrow(1, r * length, length)
-    targets = tokens[:, 1:].narrow(1, r * length, length)
-    positions = torch.arange(r * length, (r + 1) * length, dtype=torch.int64)
+    if mode == "ring_zigzag":
+        # positions held: chunk r and chunk 2n-1-r of 2n chunks (the conventions' layout)
+        c = whole // (2 * n)
+        held = torch.cat([torch.arange(r * c, (r + 1) * c),
+                          torch.arange((2 * n - 1 - r) * c, (2 * n - r) * c)])
+    else:
+        length = whole // n
+        held = torch.arange(r * length, (r + 1) * length, dtype=torch.int64)
+    inputs = tokens[:, :-1].index_select(1, held)
+    targets = tokens[:, 1:].index_select(1, held)
+    positions = held
 
     model = model_fn()
     params = list(model.parameters())

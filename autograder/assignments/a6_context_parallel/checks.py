@@ -9,12 +9,15 @@ where every rank tries it on each group of :data:`.ranks.GROUPS` it belongs to (
 without global rank 0, 2, 1); all of the function's checks judge that one run
 (:func:`_run_of`). The grader computes the truth itself (:mod:`.expected`): full attention on
 the whole float64 sequence with its gradients, one process training on the whole sequence; the
-zig-zag layouts are values (``public_cases.json``). Communication and matmuls are counted by
-the ranks' harness, and judged only for right results. Points: spec.py.
+zig-zag layouts are values (``public_cases.json``). Communication, matmuls and what the ring's
+autograd graph keeps for backward are counted by the ranks' harness, and judged only for right
+results; a group where the function raised fails with its error, by group (:func:`_each`).
+``train_cp``'s unknown-mode check judges the ValueError alone. Points: spec.py.
 """
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -48,11 +51,25 @@ def _run_of(student, name, *extra):
                                lambda seed: (name, seed, helpers, *extra))
 
 
-def _each(replies, keys, groups=None):
-    """``(group index, n, r, where, key, case)`` for every group, rank in it and case key."""
+#: what a rank that waited on a crashed peer reports (not the cause)
+LOST_PEER = re.compile(r"Connection (reset|closed) by peer|Broken pipe|[Tt]imed out|timeout")
+
+
+def _each(who, replies, keys, groups=None):
+    """``(group index, n, r, where, key, case)`` for every group, rank in it and case key; a
+    group where ``who`` raised fails with that rank's error (a waiting peer's only if no rank
+    has another), the groups before it judged first."""
     for i, (label, members) in enumerate(R.GROUPS):
         if groups is not None and i not in groups:
             continue
+        crashes = [(r, g, replies[g][(i, "crash")]) for r, g in enumerate(members)
+                   if (i, "crash") in replies[g]]
+        if crashes:
+            r, g, error = min(crashes, key=lambda c: bool(LOST_PEER.search(c[2])))
+            hint = " (on one rank nothing is sent: gloo cannot send to oneself)" \
+                if len(members) == 1 and "not connected" in error else ""
+            raise AssertionError(f"{who} on {label}, group rank {r} (global rank {g}) raised "
+                                 f"{error}{hint}")
         for r, g in enumerate(members):
             where = f"on {label}, group rank {r} (global rank {g})"
             for key in keys:
@@ -144,7 +161,8 @@ def test_merge_attention_hidden_cases(student):
 @graded
 def test_zigzag_shard_and_unshard(student):
     seed, replies = _run_of(student, "zigzag_shard")
-    for i, n, r, where, c, case in _each(replies, range(len(R.ZIGZAG_CASES))):
+    for i, n, r, where, c, case in _each("zigzag_shard/zigzag_unshard", replies,
+                                         range(len(R.ZIGZAG_CASES))):
         shape, dim = R.ZIGZAG_CASES[c]
         x = R.randn(seed + 10 * c + n, *R.zigzag_shape(shape, n, 1 + c % 3))
         mine = R.take(x, dim, n, r, "zigzag")
@@ -170,7 +188,7 @@ def test_zigzag_shard_and_unshard(student):
                "tensor, on every rank)", seed, **exact)
         _close(case["round_trip"], mine, f"{what}: zigzag_shard(zigzag_unshard(shard))",
                seed, **exact)
-    for i, n, r, where, _, case in _each(replies, ["bad"]):
+    for i, n, r, where, _, case in _each("zigzag_shard/zigzag_unshard", replies, ["bad"]):
         for name, size in (("zigzag_shard", f"x.size(1) = {2 * n + 1}"),
                            ("zigzag_unshard", "x_local.size(1) = 3")):
             assert case[name.removeprefix("zigzag_")].startswith("ValueError"), (
@@ -204,7 +222,7 @@ def _judge_attention(case, truth, n, r, layout, what, seed):
 
 def _judge_ring(student, layouts):
     seed, replies = _run_of(student, "ring_attention")
-    for i, n, r, where, c, case in _each(replies, range(len(R.RING_CASES))):
+    for i, n, r, where, c, case in _each("ring_attention", replies, range(len(R.RING_CASES))):
         layout, causal, strided, dtype = R.RING_CASES[c]
         if layout not in layouts:
             continue
@@ -228,7 +246,7 @@ def test_ring_attention_zigzag_outputs_and_gradients(student):
 def _ring_cases(student):
     """Every case of the ring's run, once its outputs and gradients are all right."""
     replies = _judge_ring(student, ("contiguous", "zigzag"))
-    return list(_each(replies, range(len(R.RING_CASES))))
+    return list(_each("ring_attention", replies, range(len(R.RING_CASES))))
 
 
 @graded
@@ -249,6 +267,11 @@ def test_ring_attention_point_to_point_within_bounds(student):
                 f"= {hops * kv} are allowed")
 
 
+#: What the ring's autograd graph may keep for backward, per rank (elements): 6 local blocks
+#: of q's size, 4 per-row statistics and one L x L mask, O(S/n) whatever n (the text's bound).
+HELD = 6 * R.B * R.H * R.L * R.D + 4 * R.B * R.H * R.L + R.L * R.L
+
+
 @graded
 def test_ring_attention_memory_and_causal_skipping(student):
     block = R.B * R.H * R.L * R.L
@@ -257,6 +280,11 @@ def test_ring_attention_memory_and_causal_skipping(student):
     for i, n, r, where, c, case in cases:
         layout, causal = R.RING_CASES[c][:2]
         what = f"ring_attention {where}, layout={layout!r}, causal={causal}"
+        assert isinstance(case["held"], int), "the ranks' reply was tampered with"
+        assert case["held"] <= HELD, (
+            f"{what}: the autograd graph of the output keeps {case['held']} elements for "
+            f"backward; at most 6|q| + 4*batch*heads*L + L*L = {HELD} are allowed (|q| = "
+            f"{R.B * R.H * R.L * R.D}): keep only this rank's own blocks, never the K/V of others")
         counts = {p: case[f"count_{p}"] for p in ("forward", "backward")}
         for phase, count in counts.items():
             assert count["largest"] <= block, (
@@ -288,7 +316,7 @@ def test_ring_attention_memory_and_causal_skipping(student):
 
 def _judge_ulysses(student):
     seed, replies = _run_of(student, "ulysses_attention")
-    for i, n, r, where, c, case in _each(replies, (0, 1), R.NOT_THREE):
+    for i, n, r, where, c, case in _each("ulysses_attention", replies, (0, 1), R.NOT_THREE):
         truth = E.attention(seed + 100 * n + 10 * c, n, bool(c), R.U_HEADS, R.U_L, "float64")
         what = f"ulysses_attention {where}, causal={bool(c)}, {R.U_HEADS} heads"
         _judge_attention(case, truth, n, r, "contiguous", what, seed)
@@ -303,7 +331,7 @@ def test_ulysses_attention_outputs_and_gradients(student):
 @graded
 def test_ulysses_attention_all_to_alls_and_value_error(student):
     replies = _judge_ulysses(student)  # counts are given for right results only
-    for i, n, r, where, c, case in _each(replies, (0, 1), R.NOT_THREE):
+    for i, n, r, where, c, case in _each("ulysses_attention", replies, (0, 1), R.NOT_THREE):
         calls = case["forward"]
         assert isinstance(calls, list), "the ranks' reply was tampered with"
         ops = [op for op, _, _ in calls]
@@ -312,7 +340,7 @@ def test_ulysses_attention_all_to_alls_and_value_error(student):
             f"ulysses_attention {where}, causal={bool(c)}: the forward pass issued "
             f"{ops or 'nothing'}; expected at most 4 all-to-alls and no other collective or "
             "point-to-point call")
-    for i, n, r, where, _, case in _each(replies, ["bad"], (0, 2, 3)):
+    for i, n, r, where, _, case in _each("ulysses_attention", replies, ["bad"], (0, 2, 3)):
         heads = R.U_BAD_HEADS[n]
         assert case["error"].startswith("ValueError"), (
             f"ulysses_attention {where}: {heads} heads on {n} ranks should raise ValueError; "
@@ -331,9 +359,9 @@ def _training(student):
         seed, source))
 
 
-def _judge_training(student, mode):
+def _judge_training(student, modes):
     seed, replies, (losses, params) = _training(student)
-    for i, n, r, where, _, case in _each(replies, [mode], R.WHOLE_AND_PAIRS):
+    for i, n, r, where, mode, case in _each("train_cp", replies, modes, R.WHOLE_AND_PAIRS):
         what = f"train_cp(mode={mode!r}) {where}"
         got = case["losses"]
         values = [item.get("value") for item in got.get("items", [])] \
@@ -349,24 +377,22 @@ def _judge_training(student, mode):
         for k, (desc, want) in enumerate(zip(got, params)):
             _close(desc, want, f"{what}: parameter {k} of list(model.parameters()) after "
                    f"{R.T_STEPS} steps (vs one process on the whole sequence)", seed, **TIGHT)
-    return replies
 
 
 @graded
-def test_train_cp_ring_matches_one_process_training(student):
-    _judge_training(student, "ring")
+def test_train_cp_ring_both_layouts_match_one_process_training(student):
+    _judge_training(student, ("ring", "ring_zigzag"))
 
 
 @graded
 def test_train_cp_ulysses_matches_one_process_training(student):
-    _judge_training(student, "ulysses")
+    _judge_training(student, ("ulysses",))
 
 
 @graded
 def test_train_cp_unknown_mode_raises_value_error(student):
-    _judge_training(student, "ring")  # given only when both modes train right
-    replies = _judge_training(student, "ulysses")
-    for i, n, r, where, _, case in _each(replies, ["bad"], R.WHOLE_AND_PAIRS):
+    _, replies, _ = _training(student)  # judged on the groups where no mode raised
+    for i, n, r, where, _, case in _each("train_cp", replies, ["bad"], R.WHOLE_AND_PAIRS):
         assert case["error"].startswith("ValueError"), (
             f"train_cp(mode='megatron') {where} should raise ValueError; got {case['error']}")
         assert case["traffic"] == [], (

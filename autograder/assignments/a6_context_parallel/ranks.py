@@ -5,9 +5,13 @@ Trusted harness code: a probe starts these on 4 fresh processes with
 :func:`autograder.checking.ranks.run_ranks`. One run covers every group size: each rank tries
 the student's function on every group of :data:`GROUPS` it belongs to (the whole world with
 ``group=None``, a group of 3 without global rank 0, two pairs, and a group of 1 per rank),
-which the harness creates itself before any student code runs. What a rank sends and receives
-is seen by a pre-hook on every process group (point-to-point calls included); the matmuls it
-computes by a ``TorchDispatchMode``. Every rank imports this module, so it imports nothing
+which the harness creates itself before any student code runs. A group whose cases raised is
+noted as ``(group index, "crash")`` (the error and the line of the student's code) and the rank
+visits no later group: the groups before it keep their replies (:func:`visit_groups`). What a
+rank sends and receives is seen by a pre-hook on every process group (point-to-point calls
+included); the matmuls it computes by a ``TorchDispatchMode``; what the autograd graph of the
+ring's output keeps for backward by ``saved_tensors_hooks`` and a walk of its custom Functions'
+``ctx`` (:func:`held_for_backward`). Every rank imports this module, so it imports nothing
 heavier than torch.
 """
 from __future__ import annotations
@@ -16,6 +20,7 @@ import ast
 import contextlib
 import functools
 import json
+import traceback
 from pathlib import Path
 
 import torch
@@ -142,6 +147,31 @@ def unchanged(before: list, after: list) -> bool:
     return all(torch.equal(_bits(a), _bits(b)) for a, b in zip(before, after))
 
 
+def crash_of(exc) -> str:
+    """``"Type: message"`` and the innermost frame of the notebook's code (the student's line)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith("<")]
+    where = ""
+    if frames:
+        line = (frames[-1].line or "").strip()
+        where = f" (in {frames[-1].name}, line {frames[-1].lineno}" + (f": {line})" if line
+                                                                       else ")")
+    return (_error(exc) + where)[:500]
+
+
+def visit_groups(rank, body, which=None) -> dict:
+    """``body(out, i, group, n, r)`` on each group of :data:`GROUPS` (among ``which``) that
+    holds ``rank``, in order; the first one that raises is noted as ``out[(i, "crash")]`` and
+    ends the visit (its peers may be waiting on this rank: they time out there and stop too)."""
+    out: dict = {}
+    for i, group, n, r in my_groups(rank, which):
+        try:
+            body(out, i, group, n, r)
+        except Exception as exc:  # noqa: BLE001 - reported to the grader, with its group
+            out[(i, "crash")] = crash_of(exc)
+            break
+    return out
+
+
 def make_groups():
     """Every group of :data:`GROUPS` (all ranks create all, in order); None for the world."""
     return [None if len(ranks) == WORLD else dist.new_group(list(ranks)) for _, ranks in GROUPS]
@@ -178,9 +208,13 @@ def attention_case(fn, seed, n, r, *, layout="contiguous", strided=False, heads=
     args = [v for v, _, _ in views]
     before = [a.detach().clone() for a in args]
     counter = MatmulCounter(D) if count else contextlib.nullcontext()
-    with calls_on_every_group() as forward, counter:
+    saved: list = []
+    with calls_on_every_group() as forward, counter, torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t) or t, lambda t: t):
         out = fn(*args)
     fwd = counter.result() if count else None
+    held = held_for_backward(out, saved) if count else None
+    saved.clear()
     counter = MatmulCounter(D) if count else contextlib.nullcontext()
     backward_ran = isinstance(out, torch.Tensor) and out.requires_grad and out.shape == dO.shape
     with calls_on_every_group() as backward, counter:
@@ -189,34 +223,80 @@ def attention_case(fn, seed, n, r, *, layout="contiguous", strided=False, heads=
     grads = [None if leaf.grad is None else back(leaf.grad) for _, leaf, back in views]
     return {"out": describe(out), "grads": describe(grads), "backward_ran": backward_ran,
             "unchanged": unchanged(before, [a.detach() for a in args]),
-            "forward": forward, "backward": backward,
+            "forward": forward, "backward": backward, "held": held,
             "count_forward": fwd, "count_backward": counter.result() if count else None}
 
 
+def held_for_backward(out, saved: list) -> int:
+    """Elements of the distinct storages that ``out``'s autograd graph keeps for backward: the
+    tensors saved through ``saved_tensors_hooks`` (``ctx.save_for_backward`` and autograd's own
+    ops) and those kept on the ``ctx`` of its custom Functions (also inside lists, tuples, dicts
+    and plain objects there). A storage counts whole, once, in elements of the tensor seen in
+    it."""
+    storages: dict = {}
+
+    def note(t):
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            s = t.untyped_storage()
+            if s.nbytes():
+                key = s.data_ptr()
+                storages[key] = max(storages.get(key, 0), s.nbytes() // max(t.element_size(), 1))
+
+    def walk(x, depth, seen):
+        if isinstance(x, torch.Tensor):
+            return note(x)
+        if depth > 4 or id(x) in seen:
+            return
+        seen.add(id(x))
+        if isinstance(x, dict):
+            items = x.values()
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            items = x
+        elif hasattr(x, "__dict__") and not isinstance(x, type) and \
+                type(x).__module__.split(".")[0] not in ("torch", "builtins"):
+            items = vars(x).values()
+        else:
+            return
+        for item in items:
+            walk(item, depth + 1, seen)
+
+    for t in saved:
+        note(t)
+    nodes, seen_nodes, seen = [getattr(out, "grad_fn", None)], set(), set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            for item in vars(node).values():
+                walk(item, 1, seen)
+        nodes.extend(f for f, _ in getattr(node, "next_functions", ()))
+    return sum(storages.values())
+
+
 def rank_ring(rank, world_size, fn, seed):
-    out = {}
-    for i, group, n, r in my_groups(rank):
+    def body(out, i, group, n, r):
         for c, (layout, causal, strided, dtype) in enumerate(RING_CASES):
             call = functools.partial(fn, causal=causal, group=group, layout=layout)
             out[(i, c)] = attention_case(call, seed + 100 * n + 10 * c, n, r, layout=layout,
                                          strided=strided, dtype=dtype, count=True)
-    return out
+    return visit_groups(rank, body)
 
 
 def rank_ulysses(rank, world_size, fn, seed):
-    out = {}
-    for i, group, n, r in my_groups(rank, NOT_THREE):
+    def body(out, i, group, n, r):
         for c, causal in enumerate((False, True)):
             call = functools.partial(fn, causal=causal, group=group)
             out[(i, c)] = attention_case(call, seed + 100 * n + 10 * c, n, r, heads=U_HEADS,
                                          length=U_L)
         if n == 1:
-            continue
+            return
         bad = [randn(seed + 7, B, U_BAD_HEADS[n], U_L, D) for _ in range(3)]
         with calls_on_every_group() as sent:
             out[(i, "bad")] = {"error": error_of(lambda: fn(*bad, group=group)),
                                "traffic": sent}
-    return out
+    return visit_groups(rank, body, NOT_THREE)
 
 
 # ---------------------------------------------------------------------------- zig-zag
@@ -255,8 +335,8 @@ def _zigzag_case(shard, unshard, x, dim, n, r, group, upstream) -> dict:
 
 def rank_zigzag(rank, world_size, fns, seed):
     shard, unshard = fns
-    out = {}
-    for i, group, n, r in my_groups(rank):
+
+    def body(out, i, group, n, r):
         for c, (shape, dim) in enumerate(ZIGZAG_CASES):
             x = randn(seed + 10 * c + n, *zigzag_shape(shape, n, 1 + c % 3))
             upstream = randn(seed + 5 + 10 * c, *take(x, dim, n, r, "zigzag").shape)
@@ -264,7 +344,7 @@ def rank_zigzag(rank, world_size, fns, seed):
         odd = randn(seed + 3, 2, 2 * n + 1, 2)
         out[(i, "bad")] = {"shard": error_of(lambda: shard(odd, 1, group)),
                            "unshard": error_of(lambda: unshard(odd[:, :3], 1, group))}
-    return out
+    return visit_groups(rank, body)
 
 
 # ---------------------------------------------------------------------------- training
@@ -272,6 +352,8 @@ def rank_zigzag(rank, world_size, fns, seed):
 #: TinyCausalLM's size in the training checks, batch, whole sequence (divisible by 2 and 4), steps.
 MODEL = dict(vocab=11, dim=16, heads=4, max_len=20)
 T_BATCH, T_SEQ, T_STEPS, T_LR = 2, 16, 3, 0.2
+#: The modes the training checks run (each on the world and on pairs), before an unknown one.
+T_MODES = ("ring", "ring_zigzag", "ulysses")
 
 
 def model_class(setup_source: str):
@@ -306,9 +388,9 @@ def train_tokens(seed: int) -> torch.Tensor:
 def rank_train(rank, world_size, fn, seed, setup_source):
     model_fn = functools.partial(seeded_model, setup_source, seed)
     tokens = train_tokens(seed + 1)
-    out = {}
-    for i, group, n, r in my_groups(rank, WHOLE_AND_PAIRS):
-        for mode in ("ring", "ulysses"):
+
+    def body(out, i, group, n, r):
+        for mode in T_MODES:
             result = fn(model_fn, tokens.clone(), mode=mode, steps=T_STEPS, lr=T_LR,
                         group=group)
             losses, params = result if isinstance(result, (tuple, list)) and len(result) == 2 \
@@ -320,7 +402,7 @@ def rank_train(rank, world_size, fn, seed, setup_source):
             error = error_of(lambda: fn(model_fn, tokens.clone(), mode="megatron", steps=1,
                                         lr=T_LR, group=group))
         out[(i, "bad")] = {"error": error, "traffic": sent}
-    return out
+    return visit_groups(rank, body, WHOLE_AND_PAIRS)
 
 
 def causal_attention(q, k, v):

@@ -3,7 +3,8 @@
 ``merge_attention`` runs in the sandbox's own process; each other function runs once on 4
 fresh processes, where every rank tries it on each group it belongs to (the world, a group of
 3 without global rank 0, pairs, a group of 1): that one run is shared by all of the
-function's checks. Per-call timeouts are several times what the reference takes on a busy
+function's checks. A group where the function raised fails its checks with that error, named
+by group; the groups before it are still judged. Per-call timeouts are several times what the reference takes on a busy
 2-core machine (process start-up included).
 """
 from autograder.checking.spec import Check, Function, Spec
@@ -18,7 +19,8 @@ SPEC = Spec(
                  helpers=("merge_attention",)),
         Function("ulysses_attention", ("q", "k", "v", "causal", "group")),
         Function("train_cp", ("model_fn", "tokens"),
-                 helpers=("merge_attention", "ring_attention", "ulysses_attention")),
+                 helpers=("merge_attention", "zigzag_shard", "ring_attention",
+                          "ulysses_attention")),
     ),
     checks=(
         Check("merge_attention_matches_attention_over_all_keys", "merge_attention", 1,
@@ -33,7 +35,8 @@ SPEC = Spec(
         Check("ulysses_attention_outputs_and_gradients", "ulysses_attention", 2, timeout=120),
         Check("ulysses_attention_all_to_alls_and_value_error", "ulysses_attention", 1,
               timeout=120),
-        Check("train_cp_ring_matches_one_process_training", "train_cp", 1, timeout=150),
+        Check("train_cp_ring_both_layouts_match_one_process_training", "train_cp", 1,
+              timeout=150),
         Check("train_cp_ulysses_matches_one_process_training", "train_cp", 1, timeout=150),
         Check("train_cp_unknown_mode_raises_value_error", "train_cp", 1, timeout=150),
     ),
