@@ -20,6 +20,10 @@ import pytest
 
 from conftest import REPO, paste_reference_answers
 
+from autograder.checking.spec import load_spec
+from autograder.keys import has_key, is_reserved
+from autograder.registry import ASSIGNMENTS
+
 SOURCES = sorted((REPO / "solutions").glob("*/*.ipynb"))
 A1 = "assignments/a1_data_parallel/data_parallel.ipynb"
 A1_SOURCE = REPO / "solutions" / "a1_data_parallel" / "data_parallel.ipynb"
@@ -213,3 +217,35 @@ def test_pasted_solution_answers_get_full_marks(edition, edition_python, offline
     assert graded and all(r["status"] == "passed" for r in graded), graded
     assert report["score"] == report["max_score"] > 0
     assert all(r["message"] for r in report["results"] if r["status"] == "skipped")
+
+
+KEYED = [a for a in sorted(ASSIGNMENTS) if has_key(a)]
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize("assignment", KEYED)
+def test_the_reference_in_the_edition_earns_every_public_point(assignment, edition,
+                                                                edition_python, offline_env):
+    """No key in the edition: the reference's answers earn every public point, each hidden
+    check is reserved for the instructor (never passed, never failed), and the report says
+    how many points are checked here and how many when the instructor grades."""
+    a = ASSIGNMENTS[assignment]
+    nb = nbformat.read(edition / "assignments" / assignment / a.notebook, as_version=4)
+    assert paste_reference_answers(nb, a.source) > 0
+    path = edition / "assignments" / assignment / "my_work.ipynb"
+    nbformat.write(nb, path)
+    try:
+        report = edition_grade(edition_python, edition, str(path.relative_to(edition)),
+                               {**offline_env, "AUTOGRADER_SPEED": "skip"})
+    finally:
+        path.unlink()
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    spec = load_spec(assignment)
+    hidden = {c.name for c in spec.checks if c.hidden}
+    results = {r["name"]: r for r in report["results"]}
+    assert hidden and {n for n, r in results.items() if is_reserved(r)} == hidden, report["stdout"]
+    public = [r for n, r in results.items() if n not in hidden and r["status"] != "skipped"]
+    assert public and all(r["status"] == "passed" for r in public), report["stdout"]
+    assert report["score"] == report["max_score"] > 0
+    assert "more when your instructor grades" in report["stdout"]

@@ -20,13 +20,27 @@ ASSIGNMENT = "a1_data_parallel"
 SOLUTION = REPO / "solutions" / ASSIGNMENT / "data_parallel.ipynb"
 
 
-def build(tmp_path: Path, *extra: str) -> Path:
+def build(tmp_path: Path, *extra: str, assignment: str = ASSIGNMENT) -> Path:
     out = tmp_path / "bundle"
     proc = subprocess.run([sys.executable, "-m", "autograder", "gradescope", "build",
-                           "--assignment", ASSIGNMENT, "--out", str(out), *extra],
+                           "--assignment", assignment, "--out", str(out), *extra],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return out / f"{ASSIGNMENT}-gradescope.zip"
+    return out / f"{assignment}-gradescope.zip"
+
+
+def test_bundle_carries_the_answer_key_and_hides_it_from_graded_code(tmp_path):
+    """The hidden checks run on Gradescope: the key travels in the bundle (students never get
+    it), the reference notebook does not; setup.sh makes solutions/ root's only and
+    run_autograder runs graded code as the `grader` user, who cannot read it."""
+    keyed = "a7_expert_parallel"
+    with zipfile.ZipFile(build(tmp_path, assignment=keyed)) as z:
+        names = set(z.namelist())
+        setup, run = z.read("setup.sh").decode(), z.read("run_autograder").decode()
+    assert f"solutions/{keyed}/answer_key.py" in names
+    assert not [n for n in names if n.startswith("solutions/") and not n.endswith("answer_key.py")]
+    assert 'chmod -R go-rwx "$SOURCE/solutions"' in setup
+    assert 'AUTOGRADER_SANDBOX_USER="$sandbox_user"' in run and "sandbox_user=grader" in run
 
 
 def test_bundle_contents(tmp_path):
