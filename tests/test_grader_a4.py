@@ -465,6 +465,103 @@ def test_correct_variants_keep_every_point(offline_env, tmp_path):
         report["stdout"]
 
 
+# The last child taken for the last block (issue #32): the nn.Sequential ends with a
+# parameterless activation, so its last block (the last child that holds parameters) is not its
+# last child. Either way every block that holds parameters frees them after forward, the last
+# one too: the resharding check fails (on that model) and every other check passes.
+LAST_CHILD_BUGS = {
+    # the flag compares with the last child (the Tanh), which is not among the units
+    "flag_against_the_last_child": ("reshard_after_forward=block is not holding[-1])",
+                                    "reshard_after_forward=block is not blocks[-1])"),
+    # every child a unit (the text allows it), the last child's unit keeping its (no) parameters
+    "every_child_a_unit": ("    holding = [block for block in blocks if any(True for _ in "
+                           "block.parameters())]\n", "    holding = list(blocks)\n"),
+}
+
+
+@pytest.mark.full
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", sorted(LAST_CHILD_BUGS))
+def test_the_last_child_taken_for_the_last_block_loses_the_resharding_point(bug, offline_env,
+                                                                           tmp_path):
+    report = grade(with_bugs(tmp_path, {"apply_fsdp": LAST_CHILD_BUGS[bug]}, bug),
+                   "--only", "apply_fsdp", env=offline_env)
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    status = {r["name"]: r for r in report["results"]}
+    checks = {c.name: c.points for c in SPEC.checks if c.function == "apply_fsdp"}
+    assert set(status) == set(checks)
+    failing = "apply_fsdp_last_block_keeps_its_parameters_after_forward"
+    for name, r in status.items():
+        if name == failing:
+            assert r["status"] == "failed" and "an nn.Sequential" in r["message"] and \
+                "the last that holds parameters" in r["message"], r
+        else:
+            assert r["status"] == "passed" and r["points"] == checks[name], r
+    assert points_by_function(report)["apply_fsdp"] == sum(checks.values()) - checks[failing] \
+        == 7
+
+
+def test_the_sequential_model_ends_with_a_child_without_parameters():
+    """The rule "the last block is the last one that holds parameters" is graded: the
+    nn.Sequential's last child holds none (the model with .blocks ends with a block that does)."""
+    from autograder.assignments.a4_sharding.ranks import FSDP_KINDS, fsdp_blocks, seeded_model
+
+    holds = {kind: [any(True for _ in b.parameters())
+                    for b in fsdp_blocks(kind, seeded_model(kind, 0))] for kind in FSDP_KINDS}
+    assert holds["sequential"][-1] is False and True in holds["sequential"]
+    assert all(holds["blocks"])
+
+
+def test_fsdp_states_param_groups_of_either_torch():
+    """FSDP2's state keeps its parameter groups as ``_fsdp_param_groups`` (a list, torch 2.12
+    and later) or ``_fsdp_param_group`` (one or None, torch 2.11): the ranks read either."""
+    from types import SimpleNamespace
+
+    from autograder.assignments.a4_sharding.fsdp_ranks import param_groups
+
+    g, h = object(), object()
+    assert param_groups(SimpleNamespace(_fsdp_param_groups=[g, h])) == [g, h]
+    assert param_groups(SimpleNamespace(_fsdp_param_groups=[])) == []
+    assert param_groups(SimpleNamespace(_fsdp_param_group=g)) == [g]
+    assert param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+
+
+#: One process of gloo: a reduce-scatter and an all-gather of a padded vector, a send-free
+#: all-reduce, each logged by A4's collectives_sized (ShardedOptimizer's and ShardedLinear's
+#: counts and sizes, the byte counts' traffic).
+_SIZED_SCRIPT = """
+import os, socket, torch, torch.distributed as dist
+from autograder.assignments.a4_sharding.ranks import collectives_sized
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+full, shard = torch.zeros(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
+with collectives_sized() as log:
+    dist.reduce_scatter_tensor(shard, full)
+    dist.all_gather_into_tensor(full, shard)
+    dist.all_reduce(full)
+dist.destroy_process_group()
+print(log)
+"""
+
+
+def test_the_sized_log_names_and_sizes_the_collectives():
+    """The ranks log collectives through course.collectives.watch_group (torch 2.11-2.13 have no
+    ProcessGroup.register_pre_hook): ops by 2.14.1's names, elements in and out (an in-place
+    all-reduce: its tensor as input, no output), as the ShardedOptimizer, ShardedLinear and
+    byte count checks read them. (Measured on torch 2.11.0 too: the same log.)"""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", _SIZED_SCRIPT], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == \
+        "[('REDUCE_SCATTER', 6, 6), ('ALLGATHER', 6, 6), ('ALLREDUCE', 6, 0)]", out.stdout
+
+
 # Correct but slow: each bucket's gradients copied into the flat vector one element at a time
 # (thousands of tiny operations, each paying torch's dispatch latency), nothing else changed.
 SLOW_BUCKETS = ("        self.launched.append((flat, dist.all_reduce(flat, async_op=True)))\n",

@@ -34,13 +34,11 @@ import torch
 import torch.distributed as dist
 
 from autograder.checking.ranks import COLLECTIVE_TIMEOUT, run_ranks, short_traceback
+from course.collectives import watch_group
 
 #: Seconds the ranks wait for each other to agree that a case is done: longer than a
 #: collective's timeout, which a rank whose neighbour raised waits out first.
 AGREE_TIMEOUT = 3 * COLLECTIVE_TIMEOUT
-#: Pre-hook id of the count of collectives each rank issued on the default group (the checks'
-#: own hooks use other ids).
-_COUNT_HOOK_ID = 515151
 
 
 def _save(folder: str, index: int, rank: int, result: dict) -> None:
@@ -61,9 +59,12 @@ def rank_cases(rank, world_size, folder, case_fn, first, cases, *args):
     agree = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=AGREE_TIMEOUT))
              if world_size > 1 else None)
     issued = [0]
-    default = dist.distributed_c10d._get_default_group()
-    default.register_pre_hook(_COUNT_HOOK_ID, lambda args: issued.__setitem__(0, issued[0] + 1))
-    try:
+
+    def count(op, inputs, outputs, peer):
+        issued[0] += 1
+
+    # every call on the default group counted, on every torch (course.collectives)
+    with watch_group(None, count):
         for i in range(first, len(cases)):
             try:
                 result = {"reply": case_fn(rank, world_size, i, cases[i], *args)}
@@ -82,8 +83,6 @@ def rank_cases(rank, world_size, folder, case_fn, first, cases, *args):
             in_step = len({int(t[1]) for t in every}) == 1
             if any(failed) and not (all(failed) and in_step):
                 return
-    finally:
-        default.unregister_pre_hook(_COUNT_HOOK_ID)
 
 
 def run_cases(case_fn, world_size: int, cases, *args) -> list[dict]:

@@ -24,7 +24,8 @@ def judge_fsdp_units(student, aspect: str) -> None:
     """One of :data:`ASPECTS` on the 1-D runs: each block that holds parameters and the root
     are units managing exactly their own parameters; the root's and each block unit's policy
     computes in bf16 and reduces in fp32; each block unit but the last reshards after forward,
-    the last does not (a block that is no unit: the units check says so)."""
+    the last does not: the last block that holds parameters, which in the nn.Sequential is not
+    its last child (a block that is no unit: the units check says so)."""
     assert aspect in ASPECTS
     for seed, world, rank, i, kind, shape, r in fsdp_each(student, 1):
         where = fsdp_where(world, rank, kind, shape)
@@ -52,13 +53,19 @@ def judge_fsdp_units(student, aspect: str) -> None:
                     f"{where}: {name}'s MixedPrecisionPolicy has param_dtype={got[0]} and "
                     f"reduce_dtype={got[1]}; bfloat16 and float32 were asked for")
         else:
+            children = len(r["blocks"])
             for n, (j, b) in enumerate(blocks):
                 if b.get("unit") is not True:
                     continue
                 last = n == len(blocks) - 1
+                after = children - 1 - j
+                which = ("not the last block" if not last else "the last block" if not after
+                         else "the last block: the last that holds parameters; "
+                         + ("the block after it holds none" if after == 1 else
+                            f"the {after} blocks after it hold none"))
                 assert b.get("reshard") is (not last), (
-                    f"{where}: block {j} ({'the last' if last else 'not the last'} block) has "
-                    f"reshard_after_forward={b.get('reshard')}, expected {not last}")
+                    f"{where}: block {j} ({which}) has reshard_after_forward={b.get('reshard')}, "
+                    f"expected {not last}")
 
 
 def judge_fsdp_placements(student, dims: int) -> None:

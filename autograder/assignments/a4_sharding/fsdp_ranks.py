@@ -40,6 +40,17 @@ def _reshards(group):
     return False if info is None else True if info is group.mesh_info else "other"
 
 
+def param_groups(state) -> list:
+    """The parameter groups of an FSDP state, as a list: ``_fsdp_param_groups`` (torch 2.12
+    and later, a list) or ``_fsdp_param_group`` (torch 2.11, one group or None); a unit
+    without parameters has none."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def _unit(module, params) -> dict:
     """What FSDP's state says about ``module``: is it a unit; does it manage exactly
     ``params``; its mixed precision policy's dtypes; does it reshard after forward (True,
@@ -49,7 +60,7 @@ def _unit(module, params) -> dict:
     if not isinstance(module, FSDPModule):
         return {"unit": False}
     state = module._get_fsdp_state()
-    groups = list(state._fsdp_param_groups)
+    groups = param_groups(state)
     managed = {id(fp.sharded_param) for g in groups for fp in g.fsdp_params}
     policy = state._mp_policy
     flags = {_reshards(g) for g in groups}

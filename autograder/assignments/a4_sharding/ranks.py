@@ -13,15 +13,12 @@ import gc
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from autograder.checking.collectives import collectives_counted
 from autograder.checking.probes import describe
-
-#: Pre-hook id for the sized log (collectives_counted uses another, so both can be registered).
-_SIZED_HOOK_ID = 434343
+from course.collectives import watch_group
 
 
 # ---------------------------------------------------------------------------- counting, sized
@@ -30,20 +27,15 @@ _SIZED_HOOK_ID = 434343
 def collectives_sized(log: list | None = None):
     """While inside, each collective issued on the default process group is logged as
     ``(op, elements in its inputs, elements in its outputs)`` in the yielded list (``log``,
-    where given: other events can go in between)."""
-    group = dist.distributed_c10d._get_default_group()
+    where given: other events can go in between), point-to-point calls too; the ops as torch
+    2.14.1's pre-hook names them, on every torch (:func:`course.collectives.watch_group`)."""
     log = [] if log is None else log
 
-    def hook(args):
-        op = getattr(args.name, "name", str(args.name))
-        log.append((op, sum(t.numel() for t in args.input_tensors),
-                    sum(t.numel() for t in args.output_tensors)))
+    def seen(op, inputs, outputs, peer):
+        log.append((op, sum(t.numel() for t in inputs), sum(t.numel() for t in outputs)))
 
-    group.register_pre_hook(_SIZED_HOOK_ID, hook)
-    try:
+    with watch_group(None, seen):
         yield log
-    finally:
-        group.unregister_pre_hook(_SIZED_HOOK_ID)
 
 
 # ---------------------------------------------------------------------------- models and data
@@ -76,9 +68,10 @@ def seeded_model(kind: str, seed: int) -> nn.Module:
     (not divisible by 3 or 4), ``tiny`` 4 (3 ranks leave rank 2 an empty shard), ``even`` 12
     (divisible by 1, 2 and 3: no padding, for the byte counts' cross-checks), all float64;
     ``blocks`` and ``sequential`` are apply_fsdp's two shapes of model, float32 (odd first
-    dimensions: uneven Shard(0) chunks; the nn.Sequential has children without parameters and
-    ends with one that has some); tanh, not ReLU, so no gradient element is zero in one
-    summation order and not in another."""
+    dimensions: uneven Shard(0) chunks; the nn.Sequential's children alternate layers and
+    parameterless activations, an activation last, so its last block, the last child that
+    holds parameters, is not its last child); tanh, not ReLU, so no gradient element is zero in
+    one summation order and not in another."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if kind == "mlp":
@@ -91,7 +84,7 @@ def seeded_model(kind: str, seed: int) -> nn.Module:
             return WithBlocks().float()
         if kind == "sequential":
             return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(),
-                                 nn.Linear(4, 3)).float()
+                                 nn.Linear(4, 3), nn.Tanh()).float()
         raise ValueError(kind)
 
 
