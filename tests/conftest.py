@@ -158,6 +158,36 @@ def assert_grades_full_marks_within(source: Path, seconds: float, env: dict) -> 
     return report
 
 
+def assert_public_points_without_the_key(source: Path, env: dict) -> dict:
+    """The student's view of ``source`` (``AUTOGRADER_ANSWER_KEY=absent``, ``--speed skip``):
+    every public check passes, every hidden one is reserved (SKIP with the RESERVED reason, no
+    points either way), a speed check is skipped unmeasured, every function keeps a public
+    check, and the report says how many points the instructor's grading adds. The report."""
+    from autograder.checking.spec import load_spec
+    from autograder.keys import RESERVED, WITHOUT_KEY_ENV, is_reserved
+
+    report = grade(source, "--speed", "skip", env={**env, WITHOUT_KEY_ENV: "absent"})
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    spec = load_spec(report["assignment"])
+    results = {r["name"]: r for r in report["results"]}
+    assert set(results) == {c.name for c in spec.checks}, report["stdout"]
+    for check in spec.checks:
+        r = results[check.name]
+        if check.hidden:
+            assert is_reserved(r) and r["message"] == RESERVED and r["points"] == 0, r
+        elif check.speed:
+            assert r["status"] == "skipped" and not is_reserved(r), r
+        else:
+            assert r["status"] == "passed" and r["points"] == r["max_points"], r
+    public = sum(c.points for c in spec.checks if not c.hidden and not c.speed)
+    assert report["score"] == report["max_score"] == public, report["stdout"]
+    assert {c.function for c in spec.checks if not c.hidden} == {c.function for c in spec.checks}
+    reserved = sum(c.points for c in spec.checks if c.hidden)
+    if reserved:
+        assert f"{reserved:g} more when your instructor grades" in report["stdout"], report["stdout"]
+    return report
+
+
 def assert_stubs_score_zero(report: dict) -> None:
     """Zero, and every failure says NotImplementedError without a traceback; no message names
     the launcher's frames (course/launch.py), which would point a student at the wrong file."""

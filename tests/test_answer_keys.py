@@ -19,7 +19,6 @@ Tier: both: names and text are quick; grading the injected candidates is full.
 from __future__ import annotations
 
 import ast
-import json
 import re
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from conftest import REPO, grade, grade_id
+from conftest import REPO, grade
 
 from autograder.checking.spec import load_spec
 from autograder.keys import KEY_FILE, has_key, key_path

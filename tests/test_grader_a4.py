@@ -33,9 +33,9 @@ import nbformat
 import pytest
 
 from autograder.checking.spec import functions_of, load_spec
-from autograder.keys import RESERVED, WITHOUT_KEY_ENV, answer_key, is_reserved
-from conftest import (REPO, assert_full_marks, assert_stubs_score_zero, grade, plant_bugs,
-                      points_by_function)
+from autograder.keys import WITHOUT_KEY_ENV, answer_key, is_reserved
+from conftest import (REPO, assert_full_marks, assert_public_points_without_the_key,
+                      assert_stubs_score_zero, grade, plant_bugs, points_by_function)
 
 SOURCE = REPO / "solutions" / "a4_sharding" / "sharding.ipynb"
 RELEASE = REPO / "assignments" / "a4_sharding" / "sharding.ipynb"
@@ -203,33 +203,18 @@ def test_released_stubs_score_zero_with_readable_messages(offline_env):
 
 @pytest.mark.slow
 def test_without_the_key_the_reference_earns_every_public_point(offline_env):
-    """The student's view (no answer key): every public check passes (the speed check is not
-    run here), every hidden one is SKIPPED as reserved (never earned or lost), and each
-    function keeps a public check; the released stubs earn nothing there either."""
-    env = {**offline_env, WITHOUT_KEY_ENV: "absent"}
-    report = grade(SOURCE, "--speed", "skip", env=env)
-    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    hidden = {c.name for c in SPEC.checks if c.hidden}
-    assert hidden == HIDDEN
-    speed = {c.name for c in SPEC.checks if c.speed}
-    results = {r["name"]: r for r in report["results"]}
-    assert set(results) == {c.name for c in SPEC.checks}, report["stdout"]
-    for name, r in results.items():
-        if name in hidden:
-            assert is_reserved(r) and r["message"] == RESERVED and r["points"] == 0, r
-        elif name in speed:
-            assert r["status"] == "skipped" and not is_reserved(r), r
-        else:
-            assert r["status"] == "passed" and r["points"] == r["max_points"], r
-    public = SPEC.public_points() - sum(c.points for c in SPEC.checks if c.speed)
-    assert report["score"] == public == 41, report["stdout"]
-    assert "4 more when your instructor grades" in report["stdout"], report["stdout"]
-    assert {c.function for c in SPEC.checks if not c.hidden} == {f.name for f in SPEC.functions}
-    # every hidden check has a public one beside it, of the same function
+    """The student's view (no answer key): every public point (41; the speed check is not run
+    here), the four hidden checks reserved (conftest.assert_public_points_without_the_key),
+    each beside a public value check of its function; the released stubs earn nothing there
+    either."""
+    report = assert_public_points_without_the_key(SOURCE, offline_env)
+    assert report["score"] == 41
+    assert {c.name for c in SPEC.checks if c.hidden} == HIDDEN
     for name in HIDDEN:
         function = SPEC.check(name).function
         assert any(c.function == function and not c.hidden and not c.speed and
                    "rejects" not in c.name for c in SPEC.checks), name
+    env = {**offline_env, WITHOUT_KEY_ENV: "absent"}
     stubs = grade(RELEASE, "--speed", "skip", env=env)
     assert_stubs_score_zero(stubs)
 
