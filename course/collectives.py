@@ -120,14 +120,19 @@ _METHODS = {
     "scatter": ("SCATTER", (1,), (0,)), "send": ("SEND", (0,), ()), "recv": ("RECV", (), (0,)),
     "recv_anysource": ("RECVANYSOURCE", (), (0,)),
 }
-#: Functional collectives (C++ underneath, so the methods above never see them) -> op.
-_FUNCTIONAL = {"all_reduce": "ALLREDUCE", "all_reduce_coalesced": "ALLREDUCE",
-               "all_gather_tensor": "ALLGATHER", "all_gather_tensor_autograd": "ALLGATHER",
-               "all_gather_into_tensor_coalesced": "ALLGATHER",
-               "reduce_scatter_tensor": "REDUCE_SCATTER",
-               "reduce_scatter_tensor_autograd": "REDUCE_SCATTER",
-               "reduce_scatter_tensor_coalesced": "REDUCE_SCATTER",
-               "all_to_all_single": "ALLTOALL", "all_to_all_single_autograd": "ALLTOALL"}
+#: Functional collectives' operators (what funcol, DTensor and the autograd collectives call,
+#: looked up on ``torch.ops.<namespace>`` at each call, so that a name a student imported early
+#: is seen too) -> (op, where the group size is among the arguments, or None).
+_FUNCTIONAL = {"all_reduce": ("ALLREDUCE", None), "all_reduce_coalesced": ("ALLREDUCE", None),
+               "all_gather_into_tensor": ("ALLGATHER", 1),
+               "all_gather_into_tensor_coalesced": ("ALLGATHER", 1),
+               "reduce_scatter_tensor": ("REDUCE_SCATTER", 2),
+               "reduce_scatter_tensor_coalesced": ("REDUCE_SCATTER", 2),
+               "all_to_all_single": ("ALLTOALL", None), "broadcast": ("BROADCAST", None)}
+#: On 2.11-2.13 the autograd collectives' backward runs in C++, unseen: noted when the gradient
+#: reaches their output (op of the backward, as torch's hook reports it on 2.14+).
+_BACKWARD = {"all_gather_into_tensor": "REDUCE_SCATTER", "reduce_scatter_tensor": "ALLGATHER",
+             "all_to_all_single": "ALLTOALL"}
 
 
 def _notify(group, op, inputs, outputs, peer=-1):
@@ -149,50 +154,80 @@ def _method(original, op, ins, outs):
     return wrapper
 
 
-def _functional(original, op):
-    import functools
-    import inspect
+def _elements_out(op, inputs, size, args):
+    """What torch's hook reports as a functional collective's output: a tensor of that many
+    elements (None: in place, no output)."""
+    numel = sum(t.numel() for t in inputs)
+    if op == "ALLREDUCE" or op == "BROADCAST":
+        return None
+    if op == "ALLGATHER":
+        return numel * size
+    if op == "REDUCE_SCATTER":
+        return numel // size
+    if op == "ALLTOALL" and args[1] and inputs and inputs[0].shape[0]:  # output split sizes
+        return sum(args[1]) * (numel // inputs[0].shape[0])
+    return numel
 
+
+class _WatchedOp:
+    """An operator packet of ``torch.ops`` that notes each call (and each call of its
+    ``.default`` overload, which some of torch's own code calls); everything else is the
+    packet's."""
+
+    def __init__(self, target, note):
+        self._target, self._note = target, note
+
+    def __call__(self, *args, **kwargs):
+        return self._note(self._target(*args, **kwargs), args)
+
+    def __getattr__(self, name):
+        attr = getattr(self._target, name)
+        return _WatchedOp(attr, self._note) if name == "default" else attr
+
+
+def _functional(original, op, size_at, backward):
     import torch
-    import torch.distributed._functional_collectives as funcol
 
-    signature = inspect.signature(original)
+    def note(group_name, op, inputs, size, args):
+        for group in {id(g): g for g, _ in _watchers if g.group_name == group_name}.values():
+            out = _elements_out(op, inputs, size or group.size(), args)
+            _notify(group, op, inputs, [] if out is None else [torch.empty(out, device="meta")])
 
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        if _watchers:
-            try:
-                bound = signature.bind(*args, **kwargs).arguments
-                name = funcol._resolve_group_name(bound.get("group"))
-            except Exception:  # noqa: BLE001 - a call or group this cannot read: not watched
-                name = None
-            for group in {id(g): g for g, _ in _watchers if g.group_name == name}.values():
-                inputs = _flat(next(iter(bound.values())))
-                numel, n = sum(t.numel() for t in inputs), group.size()
-                out = {"ALLREDUCE": None, "ALLGATHER": numel * n,
-                       "REDUCE_SCATTER": numel // n}.get(op, numel)
-                # what torch's hook reports as the output: a tensor of that many elements
-                _notify(group, op, inputs, [] if out is None else [torch.empty(out, device="meta")])
-        return original(*args, **kwargs)
-    return wrapper
+    def called(result, args):
+        if _watchers and args and isinstance(args[-1], str):
+            inputs = _flat(args[0])
+            size = args[size_at] if size_at is not None and len(args) > size_at else None
+            note(args[-1], op, inputs, size, args)
+            if backward and isinstance(result, torch.Tensor) and result.requires_grad:
+                back_args = (None, args[2], args[1]) if op == "ALLTOALL" else args
+                result.register_hook(lambda grad: note(args[-1], backward, [grad], size, back_args))
+        return result
+    return _WatchedOp(original, called)
 
 
 def _patch() -> None:
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
-
     import inspect
+
+    import torch
+    import torch.distributed as dist
 
     for name, (op, ins, outs) in _METHODS.items():
         original = inspect.getattr_static(dist.ProcessGroup, name, None)
         if original is not None:
             _patched.append((dist.ProcessGroup, name, original))
             setattr(dist.ProcessGroup, name, _method(original, op, ins, outs))
-    for name, op in _FUNCTIONAL.items():
-        original = getattr(funcol, name, None)
-        if original is not None:
-            _patched.append((funcol, name, original))
-            setattr(funcol, name, _functional(original, op))
+    for namespace, backward in (("_c10d_functional", {}), ("_c10d_functional_autograd", _BACKWARD)):
+        try:
+            ops = getattr(torch.ops, namespace)
+        except (AttributeError, RuntimeError):
+            continue
+        for name, (op, size_at) in _FUNCTIONAL.items():
+            try:
+                original = getattr(ops, name)
+            except (AttributeError, RuntimeError):
+                continue
+            _patched.append((ops, name, original))
+            setattr(ops, name, _functional(original, op, size_at, backward.get(name)))
 
 
 def _unpatch() -> None:
