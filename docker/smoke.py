@@ -144,22 +144,28 @@ def grade(command: str, grades: Path, env: dict, reference: bool) -> None:
         check(row is not None and row["status"] == "graded" and row["assignment"] == assignment,
               f"{student}: graded as {assignment}")
         score, top = float(row["score"]), float(row["max_score"])
-        want = f"{top:g}/{top:g}" if full else f"0/{top:g}"
         report = (grades / student / "output.txt").read_text().splitlines()
-        if top <= 0 or score != (top if full else 0):  # show the checks that decided it
+        # without the answer key (no solutions/ mounted) the hidden checks earn nothing: the
+        # reference's full marks are the rest ("N more when your instructor grades")
+        reserved_points = next((float(m.group(1)) for line in report if (m := re.search(
+            r"(\d+(?:\.\d+)?) more when your instructor grades", line))), 0.0)
+        full_marks = top - reserved_points
+        want = f"{full_marks:g}/{top:g}" if full else f"0/{top:g}"
+        if top <= 0 or score != (full_marks if full else 0):  # show the checks that decided it
             print("\n".join("    " + line for line in report
                             if full and " PASS " not in line or not full and " FAIL " not in line))
-        if full and score < top:
+        if full and score < full_marks:
             # A speedup measured on a busy host can miss its threshold: that says nothing about
             # the image. Every other point must be there.
             timing = [line for line in report if " FAIL " in line
                       and line.split()[1:2] and line.split()[1] in SPEED_CHECKS]
             lost = sum(_points(line) for line in timing)
-            if timing and score + lost == top:
+            if timing and score + lost == full_marks:
                 say(f"WARN {student}: {score:g}/{top:g}: only timing checks failed (this host "
                     f"is busy): {', '.join(line.split()[1] for line in timing)}")
-                score = top
-        check(top > 0 and score == (top if full else 0), f"{student}: {score:g}/{top:g} (want {want})")
+                score = full_marks
+        check(top > 0 and score == (full_marks if full else 0),
+              f"{student}: {score:g}/{top:g} (want {want})")
         reserved = any("more when your instructor grades" in line for line in report)
         if reference:
             check(not reserved, f"{student}: with solutions/ mounted, every hidden check ran")

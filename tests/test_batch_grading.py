@@ -587,3 +587,26 @@ def test_kubernetes_indexed_job_shards_match_its_completions():
     assert spec["completionMode"] == "Indexed"
     assert int(env["SHARDS"]) == spec["completions"] == int(merge_env["SHARDS"])
     assert "GRADE_SHARD=$k/$SHARDS" in spec["template"]["spec"]["containers"][0]["args"][0]
+
+
+def test_a_hidden_check_without_the_key_is_neither_timed_again_nor_awarded():
+    """Graded without the answer keys (solutions/ absent), a hidden check SKIPs as reserved:
+    the class run does not re-time it (it would only skip again), awards it nothing, and says
+    why in needs_timing; a speed check the machine could not judge is still re-timed."""
+    import types
+
+    from autograder.integrations import retime
+    from autograder.keys import RESERVED
+
+    reserved = {"name": "h", "function": "route", "status": "skipped", "points": 0.0,
+                "max_points": 2.0, "message": RESERVED}
+    speed = {"name": "s", "function": "f_speedup", "status": "skipped", "points": 0.0,
+             "max_points": 1.0, "message": "needs 2 GPUs"}
+    row = types.SimpleNamespace(status=batch.GRADED, report={"results": [reserved]})
+    assert retime.pending([row], "measure") == []
+    row.report["results"].append(speed)
+    assert retime.pending([row], "measure") == [(0, [speed])]
+    t = gradebook.tally([reserved, speed])
+    assert t.score == 1.0 and t.max_score == 3.0
+    assert "route (hidden: no answer key here)" in t.needs_timing
+    assert "answer key" in gradebook.rule_text()

@@ -66,7 +66,7 @@ def tally(results: list[dict]) -> Tally:
     for r in results:
         if r.get("status") == SKIPPED:
             mark = (NOT_MEASURED_MARK if r.get("message") == SPEED_NOT_MEASURED else
-                    " (no answer key)" if is_reserved(r) else "")
+                    " (hidden: no answer key here)" if is_reserved(r) else "")
             needs.append(f"{r.get('function', r.get('name', '?'))}{mark}")
     return Tally(sum(points_of(r) for r in results),
                  sum(float(r.get("max_points", 0)) for r in results),
@@ -95,7 +95,9 @@ def rule_text() -> str:
             f"in max_score for every student and is {unjudged}; one not measured on purpose "
             "(--speed skip) counts in max_score and earns 0. needs_timing names them: rerun "
             "grade-folder on hardware that can time them (without --speed skip) and only those "
-            "are timed.")
+            "are timed. A hidden check graded without the answer keys (\"hidden: no answer key "
+            "here\": solutions/ absent) counts in max_score and earns 0: grade with the keys "
+            "(the instructor's repository, or make docker-grade REFERENCE=1).")
 
 
 def rule_lines(rows, shown: int = 10) -> list[str]:
