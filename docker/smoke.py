@@ -166,7 +166,7 @@ def grade(command: str, grades: Path, env: dict, reference: bool) -> None:
                 score = full_marks
         check(top > 0 and score == (full_marks if full else 0),
               f"{student}: {score:g}/{top:g} (want {want})")
-        reserved = any("more when your instructor grades" in line for line in report)
+        reserved = reserved_points > 0
         if reference:
             check(not reserved, f"{student}: with solutions/ mounted, every hidden check ran")
         elif (REPO / "solutions" / assignment / KEY_FILE).exists():

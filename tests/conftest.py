@@ -60,6 +60,19 @@ def offline_env(tiny_data) -> dict:
     return env
 
 
+@pytest.fixture(scope="session")
+def edition(tmp_path_factory) -> Path:
+    """The student edition of the working tree (new, not yet committed files included), built
+    once for the tests that read it (test_edition.py, test_answer_keys.py); a test that adds a
+    file to it removes it again."""
+    out = tmp_path_factory.mktemp("edition") / "scale-pytorch-student"
+    proc = subprocess.run([sys.executable, "-m", "autograder", "edition", str(out),
+                           "--include-untracked"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
 def grade(notebook: Path, *extra: str, env: dict | None = None, timeout: float = 300) -> dict:
     """Grade ``notebook`` with the CLI in a fresh process; return the full JSON report."""
     with tempfile.TemporaryDirectory(prefix="report-") as tmp:  # removed: a run grades hundreds

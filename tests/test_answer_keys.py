@@ -64,16 +64,6 @@ def graded_functions() -> dict[str, tuple[str, tuple[str, ...]]]:
     return {f.name: (a, f.params) for a in ASSIGNMENTS for f in load_spec(a).functions}
 
 
-@pytest.fixture(scope="module")
-def edition(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("keys") / "edition"
-    proc = subprocess.run([sys.executable, "-m", "autograder", "edition", str(out),
-                           "--include-untracked"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return out
-
-
 def definitions(edition: Path):
     """``(where, module or None, node, source)`` of every function and class defined in the
     edition: Python files (any depth) and every notebook's code cells except the released

@@ -54,17 +54,6 @@ def fragments(region: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def edition(tmp_path_factory) -> Path:
-    """The edition of the working tree (new, not yet committed files included)."""
-    out = tmp_path_factory.mktemp("edition") / "scale-pytorch-student"
-    proc = subprocess.run([sys.executable, "-m", "autograder", "edition", str(out),
-                           "--include-untracked"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return out
-
-
-@pytest.fixture(scope="module")
 def edition_python(edition, tmp_path_factory) -> Path:
     """A Python that imports ``autograder`` and ``course`` from the edition only."""
     venv = tmp_path_factory.mktemp("venv") / "edition-venv"

@@ -24,8 +24,8 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_output
 
-from ..keys import is_reserved
-from ..results import FAILED, SKIPPED, SPEED_NOT_MEASURED, result_lines
+from ..results import FAILED, SKIPPED, result_lines
+from .gradebook import points_of
 
 try:
     from nbgrader.preprocessors import NbGraderPreprocessor
@@ -74,16 +74,11 @@ def grade_notebook(nb, assignment: str | None) -> dict:
 
 
 def skipped_points(result: dict) -> float:
-    """Points for a check skipped because the hardware cannot measure it.
-
-    A skipped speedup check has already verified the timed function is correct (see the check
-    modules); nbgrader has no "skipped", so by default it awards the points and the output says
-    why. ``AUTOGRADER_SKIPPED=zero`` gives none instead. A check skipped because the run was
-    told not to time anything (``AUTOGRADER_SPEED=skip``) verified nothing: no points.
-    """
-    if result.get("message") == SPEED_NOT_MEASURED or is_reserved(result):
-        return 0.0  # nothing was verified: not timed, or no answer key to check it with
-    return 0.0 if os.environ.get("AUTOGRADER_SKIPPED", "award") == "zero" else result["max_points"]
+    """Points for a skipped check in nbgrader, by the class rule (:func:`.gradebook.points_of`):
+    a speedup the hardware cannot measure was verified correct first, so nbgrader (which has
+    no "skipped") awards it unless ``AUTOGRADER_SKIPPED=zero``; a check not timed on purpose
+    (``AUTOGRADER_SPEED=skip``) or reserved for a missing answer key verified nothing: 0."""
+    return points_of(result)
 
 
 def cell_outputs(report: dict, function: str, cell_points: float) -> list:
