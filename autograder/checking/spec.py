@@ -72,10 +72,6 @@ class Spec:
                 return c
         raise KeyError(f"{self.assignment}: no check named {name!r} in its spec")
 
-    def public_points(self) -> float:
-        """Points of the checks that run without the answer key (the student edition's)."""
-        return sum(c.points for c in self.checks if not c.hidden)
-
     def points(self) -> dict[str, float]:
         """``{function: total points}`` in check order (speedups as ``f_speedup``)."""
         totals: dict[str, float] = {}
