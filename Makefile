@@ -7,8 +7,14 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+STAMP  := $(VENV)/.installed$(if $(TORCH),-$(shell echo '$(TORCH)' | cksum | cut -d' ' -f1))
 PORT   ?= 8888
+# The torch to install: empty, the project's `pinned` extra (pyproject.toml); or requirements of
+# a release in the supported range, e.g. TORCH="torch==2.11.0 torchvision==0.26.0" (with
+# VENV=another-folder: .ci/run tests the oldest and newest releases that way).
+TORCH  ?=
+
+comma  := ,
 
 .PHONY: install lab lab-instructor test test-all grade bench bench-grading student-edition clean
 
@@ -17,7 +23,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev$(if $(TORCH),,$(comma)pinned)]' $(TORCH)
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (workshop)" >/dev/null
 	touch $(STAMP)
 
@@ -87,6 +93,12 @@ A              ?=
 # The Docker targets: the variant is gpu when nvidia-smi lists a GPU, else cpu. The containers run
 # as the calling user (root included), grade with every CPU of the host unless GRADE_CPUS says.
 DOCKER_VARIANT ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo gpu || echo cpu)
+# The GPU image's torch: the CUDA build that the NVIDIA driver runs, as docker/cuda_variant.py
+# picks it from nvidia-smi (it stops make where none fits); docs/docker.md has the table.
+# TORCH_GPU_INDEX=<wheel index> chooses instead (empty: PyPI's wheels).
+TORCH_GPU_INDEX ?= $(eval cuda_pick := $(shell $(PYTHON) docker/cuda_variant.py))$(if \
+    $(filter index=%,$(cuda_pick)),$(patsubst index=%,%,$(cuda_pick)),$(error \
+    docker: stopped: no CUDA build of torch for this host. TORCH_GPU_INDEX=<index> chooses one))
 DOCKER_BUILD_FLAGS ?=
 GRADE_CPUS     ?= $(shell nproc)
 COURSE_WORK_DIR ?= work
@@ -123,7 +135,7 @@ docker-variant:
 
 docker-build: docker-variant
 	docker build $(DOCKER_BUILD_FLAGS) -f docker/Dockerfile -t $(IMAGE):$(DOCKER_VARIANT) \
-	    --build-arg TORCH_INDEX=$(if $(filter gpu,$(DOCKER_VARIANT)),,$(TORCH_CPU_INDEX)) .
+	    --build-arg TORCH_INDEX=$(if $(filter gpu,$(DOCKER_VARIANT)),$(TORCH_GPU_INDEX),$(TORCH_CPU_INDEX)) .
 
 # The student's work folder: the student edition (no solutions/), made once, then theirs. It
 # needs git and nbformat: the project's venv where there is one, else $(PYTHON) with nbformat.

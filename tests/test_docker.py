@@ -40,6 +40,11 @@ def pyproject_dependencies() -> list[str]:
         return tomllib.load(f)["project"]["dependencies"]
 
 
+def pyproject_extra(name: str) -> list[str]:
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["optional-dependencies"][name]
+
+
 def instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
     """``[(INSTRUCTION, arguments)]`` with continuation lines joined and comments dropped."""
     text = re.sub(r"\\\n", " ", path.read_text())
@@ -96,11 +101,13 @@ def test_requirements_script_prints_exactly_pyproject():
                          capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == pyproject_dependencies()
     torch_only = subprocess.run(
-        [sys.executable, str(script), str(REPO / "pyproject.toml"), "--only", "torch", "torchvision"],
-        capture_output=True, text=True, check=True).stdout.splitlines()
-    assert torch_only == [d for d in pyproject_dependencies()
-                          if re.match(r"(torch|torchvision)\b(?!-)", d)]
-    assert any(d.startswith("torch==") for d in torch_only), "pyproject pins torch"
+        [sys.executable, str(script), str(REPO / "pyproject.toml"), "--only", "torch", "torchvision",
+         "--extra", "pinned"], capture_output=True, text=True, check=True).stdout.splitlines()
+    wanted = pyproject_dependencies() + pyproject_extra("pinned")
+    assert torch_only == [d for d in wanted if re.match(r"(torch|torchvision)\b(?!-)", d)]
+    # the supported range, and the release the image installs within it
+    assert any(d.startswith("torch>=") for d in torch_only), "pyproject states torch's range"
+    assert any(d.startswith("torch==") for d in torch_only), "the pinned extra pins torch"
 
 
 def test_no_package_list_in_docker_can_diverge():
@@ -121,7 +128,7 @@ def installs_not_from_pyproject(path: Path) -> list[str]:
     ins = instructions(path)
     run = " ".join(a for w, a in ins if w == "RUN")
     generated = set(re.findall(
-        r"pyproject_requirements\.py\s+\S+\s+(?:--only[\w ]+?)?>\s*(\S+)", run))
+        r"pyproject_requirements\.py\s+\S+\s+(?:--only[\w ]+?)?(?:--extra \w+\s+)?>\s*(\S+)", run))
     commands: list[list[str]] = [[]]
     for word, args in ins:
         if word != "RUN":

@@ -102,9 +102,10 @@ rm -rf "$work"
 
 
 def torch_pins(pyproject: Path = REPO / "pyproject.toml") -> list[str]:
-    """The torch and torchvision requirements of pyproject.toml (the single source)."""
+    """The torch and torchvision releases the course is measured on: pyproject.toml's `pinned`
+    extra (its dependencies state only the supported range)."""
     with open(pyproject, "rb") as f:
-        deps = tomllib.load(f)["project"]["dependencies"]
+        deps = tomllib.load(f)["project"]["optional-dependencies"]["pinned"]
     return [d for d in deps
             if re.split(r"[\s<>=!~;\[(@]", d, maxsplit=1)[0].lower() in {"torch", "torchvision"}]
 
