@@ -7,7 +7,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed$(if $(TORCH),-$(shell echo '$(TORCH)' | cksum | cut -d' ' -f1))
+# (a venv kept outside the checkout, as .ci/run keeps them, is re-pointed at this checkout: the
+# stamp names the torch asked for and the checkout's path)
+STAMP  := $(VENV)/.installed$(if $(TORCH),-$(shell echo '$(TORCH) $(CURDIR)' | cksum | cut -d' ' -f1))
 PORT   ?= 8888
 # The torch to install: empty, the project's `pinned` extra (pyproject.toml); or requirements of
 # a release in the supported range, e.g. TORCH="torch==2.11.0 torchvision==0.26.0" (with
@@ -79,7 +81,8 @@ gpu-check: install
 # make grade-folder                 grade $(SUBMISSIONS)/ into $(GRADES)/ on this machine [A=assignment] [JOBS=n]
 # make gradescope                   Gradescope bundles in $(GRADESCOPE_DIR)/ [A=assignment]
 # make docker-build / docker-lab    the image / JupyterLab in it on the student's work folder; GPU or
-#                                   CPU variant picked by nvidia-smi (DOCKER_VARIANT=cpu|gpu to choose)
+#                                   CPU variant picked by nvidia-smi (DOCKER_VARIANT=cpu|gpu to choose),
+#                                   torch's CUDA build by the driver (TORCH_GPU_INDEX=<index> to choose)
 # make docker-grade                 grade $(SUBMISSIONS)/ into $(GRADES)/ in the container, no network
 #                                   [REFERENCE=1: with solutions/, hidden from graded code]
 # make docker-smoke                 build the image and check grading and the lab in it (docker/smoke.py)
@@ -90,7 +93,8 @@ GRADES         ?= grades
 GRADESCOPE_DIR ?= build/gradescope
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 A              ?=
-# The Docker targets: the variant is gpu when nvidia-smi lists a GPU, else cpu. The containers run
+# The Docker targets: the variant is gpu when nvidia-smi lists a GPU, else cpu. (COMPOSE is
+# expanded where it is used: only the GPU targets ask docker/cuda_variant.py.) The containers run
 # as the calling user (root included), grade with every CPU of the host unless GRADE_CPUS says.
 DOCKER_VARIANT ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo gpu || echo cpu)
 # The GPU image's torch: the CUDA build that the NVIDIA driver runs, as docker/cuda_variant.py
@@ -104,8 +108,9 @@ GRADE_CPUS     ?= $(shell nproc)
 COURSE_WORK_DIR ?= work
 REFERENCE      ?=
 COMPOSE_CMD    ?= $(shell docker compose version >/dev/null 2>&1 && echo 'docker compose' || echo docker-compose)
-COMPOSE        := COMPOSE_PROJECT_NAME=scale-pytorch COURSE_DOCKER_DIR=$(abspath docker) COURSE_UID=$$(id -u) COURSE_GID=$$(id -g) GRADE_CPUS=$(GRADE_CPUS) \
+COMPOSE         = COMPOSE_PROJECT_NAME=scale-pytorch COURSE_DOCKER_DIR=$(abspath docker) COURSE_UID=$$(id -u) COURSE_GID=$$(id -g) GRADE_CPUS=$(GRADE_CPUS) \
                   COURSE_WORK_DIR=$(abspath $(COURSE_WORK_DIR)) TORCH_CPU_INDEX=$(TORCH_CPU_INDEX) \
+                  $(if $(filter gpu,$(DOCKER_VARIANT)),TORCH_GPU_INDEX=$(TORCH_GPU_INDEX)) \
                   $(COMPOSE_CMD) -f docker/compose.yaml $(if $(filter gpu,$(DOCKER_VARIANT)),-f docker/compose.gpu.yaml) \
                   $(if $(REFERENCE),-f docker/compose.reference.yaml)
 

@@ -370,7 +370,7 @@ def test_compose_gpu_override_adds_the_gpus_and_the_cuda_image(compose):
     for service in gpu.values():
         devices = _gpus(service)
         assert devices and devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
-        assert service["image"] == "scale-pytorch:gpu" and service["build"]["args"]["TORCH_INDEX"] == ""
+        assert service["image"] == "scale-pytorch:gpu" and service["build"]["args"]["TORCH_INDEX"] == "${TORCH_GPU_INDEX-}"
 
 
 def test_compose_reference_override_hides_solutions_with_least_privilege():

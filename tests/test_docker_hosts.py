@@ -34,8 +34,10 @@ def test_make_picks_the_variant_and_says_which():
         said = subprocess.run(["make", "-s", "docker-variant", f"DOCKER_VARIANT={variant}"],
                               cwd=REPO, capture_output=True, text=True, check=True).stdout
         assert f"{variant.upper()} variant (scale-pytorch:{variant}" in said
-        grade = _make("docker-grade", f"DOCKER_VARIANT={variant}")
+        # the GPU image's torch is chosen from the driver (tests/test_docker_driver.py); given here
+        grade = _make("docker-grade", f"DOCKER_VARIANT={variant}", "TORCH_GPU_INDEX=https://x/cu126")
         assert ("-f docker/compose.gpu.yaml" in grade) == (variant == "gpu")
+        assert ("TORCH_GPU_INDEX=https://x/cu126" in grade) == (variant == "gpu")
         assert "compose.reference.yaml" not in grade
     assert "-f docker/compose.reference.yaml" in _make("docker-grade", "REFERENCE=1")
     found = subprocess.run(["bash", "-c", "nvidia-smi -L 2>/dev/null | grep -q '^GPU'"]).returncode == 0
@@ -50,7 +52,8 @@ def test_make_uses_the_host_cpus_and_user_and_bakes_no_uid():
     assert "COURSE_UID=$(id -u) COURSE_GID=$(id -g)" in grade
     build = _make("docker-build", "DOCKER_VARIANT=cpu")
     assert "UID" not in build and f"TORCH_INDEX={CPU_INDEX}" in build
-    assert "--build-arg TORCH_INDEX= " in _make("docker-build", "DOCKER_VARIANT=gpu")
+    # the GPU index is chosen from the driver (tests/test_docker_driver.py); here it is given
+    assert "--build-arg TORCH_INDEX= " in _make("docker-build", "DOCKER_VARIANT=gpu", "TORCH_GPU_INDEX=")
 
 
 def test_dockerfile_has_nothing_user_specific_before_the_requirements():
