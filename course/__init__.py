@@ -5,7 +5,10 @@
 - :mod:`course.data`: Fashion-MNIST through torchvision, or an announced synthetic stand-in.
 - :mod:`course.models`: LeNet (functional, with a parameter list) and ResNet-18.
 - :mod:`course.launch`: run a notebook-defined function on N processes.
-- :mod:`course.planning`: memory per GPU and time per step of a parallel training run, on paper.
+- :mod:`course.planning`: memory per GPU and time per step of a parallel training run, on paper
+  (mixture-of-experts models and expert parallelism in :mod:`course.planning_moe`).
+- :mod:`course.collectives`, :mod:`course.compat`: watching collectives, and what differs
+  between the torch releases the course supports.
 
 Set ``COURSE_FULL=1`` in the environment for real-sized runs; by default every lesson runs
 in a quick mode small enough for a laptop CPU.

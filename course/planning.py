@@ -1,10 +1,9 @@
 """Back-of-the-envelope models of a parallel training step: memory per GPU and seconds per step.
 
-Lesson 16 plans data x context x tensor x pipeline parallel runs with them and checks the memory
-model against CPU processes. Each function states its formula and where it comes from; they are
-the published approximations, not a simulator (no latency, no kernel launch, no fragmentation).
-Expert parallelism (mixture-of-experts layers, lesson 15) is not modelled: `Model` is dense.
-Sources, cited below by key:
+Lesson 16 plans data x context x tensor x pipeline (x expert) parallel runs with them and checks
+the memory model against CPU processes. Each function states its formula and where it comes from;
+they are the published approximations, not a simulator (no latency, no kernel launch, no
+fragmentation, no load imbalance). Sources, cited below by key:
 
 [ZeRO]        S. Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
               Models", SC 2020, https://arxiv.org/abs/1910.02054: section 3.1 (mixed-precision Adam
@@ -35,17 +34,22 @@ Sources, cited below by key:
               K and V in the forward and reduce-scattering their gradients in the backward; one
               layer fewer on the first and the last pipeline stage).
 [torchtitan]  https://github.com/pytorch/torchtitan, torchtitan/distributed/parallel_dims.py: FSDP
-              shards over the data-parallel and the context-parallel ranks together ("dp_shard_cp").
+              shards over the data-parallel and the context-parallel ranks together ("dp_shard_cp");
+              expert parallelism's ranks are some of those (course.planning_moe).
 [Playbook]    N. Tazi et al., "The Ultra-Scale Playbook", Hugging Face, 2025,
               https://huggingface.co/spaces/nanotron/ultrascale-playbook (the same formulas, and
               parameters spread evenly over tp x pp).
 [NCCL]        NCCL tests, doc/PERFORMANCE.md, https://github.com/NVIDIA/nccl-tests: a ring
               all-reduce moves 2(n-1)/n of the buffer through each rank's link, all-gather and
               reduce-scatter (n-1)/n.
+Mixture-of-experts models and expert parallelism: course.planning_moe (its own sources).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from course.planning_moe import (MoE, active_params, alltoall_seconds, expert_params,  # noqa: F401
+                                  expert_parallel_seconds, state_groups)
 
 SCHEDULES = ("1f1b", "gpipe", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
@@ -90,8 +94,9 @@ H100 = Hardware("H100 SXM", 989e12, 80e9, 450e9, 50e9, 8)
 @dataclass(frozen=True)
 class Model:
     """A decoder-only transformer: parameters, layers, hidden size, attention heads, sequence length,
-    and optionally the vocabulary (0: the output layer's activations are left out) and the key-value
-    heads of grouped-query attention (0: as many as `heads`)."""
+    and optionally the vocabulary (0: the output layer's activations are left out), the key-value
+    heads of grouped-query attention (0: as many as `heads`) and its mixture-of-experts layers
+    (None: dense). `n_params` counts every parameter, all experts included."""
     n_params: float
     layers: int
     hidden: int
@@ -99,6 +104,7 @@ class Model:
     seq: int
     vocab: int = 0
     kv_heads: int = 0
+    moe: MoE | None = None
 
 
 @dataclass(frozen=True)
@@ -115,9 +121,11 @@ class Layout:
     sp: bool = False           # sequence parallelism with tp [Korthikanti]
     recompute: str = "none"    # "none", "selective" (attention core) or "full" (whole layers)
     cp: int = 1                # context parallelism: each sequence split over cp ranks [Llama3]
+    ep: int = 1                # expert parallelism: the experts split over ep of the dp x cp ranks
 
     @property
     def gpus(self) -> int:
+        """dp x cp x tp x pp: the ep ranks are dp x cp ranks too ([torchtitan])."""
         return self.dp * self.cp * self.tp * self.pp
 
     @property
@@ -131,13 +139,20 @@ class Layout:
         return per_rank
 
 
-def llama_params(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int) -> int:
+def llama_params(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+                 moe: MoE | None = None) -> int:
     """Parameters of a Llama-style model: grouped-query attention (q and o: h x h; k and v:
     h x kv_heads * h / heads), a SwiGLU MLP (three h x ffn matrices), two RMSNorm weights per
-    layer, a final norm, and untied input and output embeddings (V x h each); no biases."""
+    layer, a final norm, and untied input and output embeddings (V x h each); no biases. With
+    `moe`, its moe_layers layers have instead a router (h x experts) and experts + shared SwiGLU
+    experts of width expert_ffn (Mixtral's shape; course.planning_moe)."""
     kv = kv_heads * hidden // heads
     per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
-    return layers * per_layer + hidden + 2 * vocab * hidden
+    total = layers * per_layer + hidden + 2 * vocab * hidden
+    if moe is not None:
+        experts = (moe.experts + moe.shared) * 3 * hidden * moe.expert_ffn + hidden * moe.experts
+        total += moe.moe_layers * (experts - 3 * hidden * ffn)
+    return total
 
 
 def model_state_memory(model: Model, layout: Layout, precision: Precision = MIXED) -> dict:
@@ -150,15 +165,16 @@ def model_state_memory(model: Model, layout: Layout, precision: Precision = MIXE
     shard too, as in [torchtitan]): stage 0 (plain data parallel) (2 + 2 + K) Psi; stage 1
     shards the optimizer state, 2 Psi + 2 Psi + K Psi / Nd; stage 2 the gradients too,
     2 Psi + (2 + K) Psi / Nd; stage 3 the weights too, (2 + 2 + K) Psi / Nd.
-    `precision` replaces the 2, 2 and K.
+    `precision` replaces the 2, 2 and K. With expert parallelism the same holds for each of
+    `state_groups`' two parts, added: the dense Psi over Nd, the experts' Psi / ep over Nd / ep.
     """
-    zero, shards = layout.zero, layout.dp * layout.cp
+    zero = layout.zero
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, not {zero}")
-    psi = model.n_params / (layout.tp * layout.pp)
-    return {"params": psi * precision.param / (shards if zero >= 3 else 1),
-            "grads": psi * precision.grad / (shards if zero >= 2 else 1),
-            "optimizer": psi * precision.optimizer / (shards if zero >= 1 else 1)}
+    groups = state_groups(model, layout)
+    return {name: sum(psi * nbytes / (shards if zero >= stage else 1) for psi, shards in groups)
+            for name, nbytes, stage in [("params", precision.param, 3), ("grads", precision.grad, 2),
+                                        ("optimizer", precision.optimizer, 1)]}
 
 
 def activation_bytes(seq: int, batch: int, hidden: int, heads: int, layers: float = 1, *, tp: int = 1,
@@ -179,6 +195,8 @@ def activation_bytes(seq: int, batch: int, hidden: int, heads: int, layers: floa
     "selective" is its count. With context parallelism each of the cp ranks keeps s / cp of the
     tokens (s b h / cp), each with scores against all s keys (the 5 a s / h keeps the whole s).
     `bytes_per_value` / 2 scales everything (masks included: an approximation for other dtypes).
+    An MoE layer is counted as a dense one (its experts' activations are not modelled); expert
+    parallelism leaves the count as it is, each rank receiving as many token copies as it sends.
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}")
@@ -264,7 +282,7 @@ def estimate_memory(model: Model, layout: Layout, precision: Precision = MIXED, 
 def training_flops(n_params: float, tokens: float, recompute: str = "none") -> float:
     """FLOPs of forward and backward without attention's context term: 2N per token forward, 4N
     backward, 6N in all ([Kaplan] 2.1). Full recomputation runs the forward twice: 8N
-    ([Korthikanti] section 5)."""
+    ([Korthikanti] section 5). For a mixture of experts N is `active_params`."""
     return (8 if recompute == "full" else 6) * n_params * tokens
 
 
@@ -305,7 +323,9 @@ def pipeline_bubble(pp: int, micro_batches: int, interleave: int = 1, schedule: 
 def data_parallel_seconds(model: Model, layout: Layout, compute: float, bandwidth: float,
                           precision: Precision = MIXED) -> tuple[float, float]:
     """Seconds of one step's data-parallel traffic over the dp x cp ranks that share parameters,
-    and the part of them that no computation hides: (traffic, exposed).
+    and the part of them that no computation hides: (traffic, exposed). With expert parallelism
+    the experts' collectives run over the dp x cp / ep ranks that hold the same experts, at the same
+    `bandwidth`, after the dense ones (`state_groups`); their seconds add to G and W below.
 
     With gradient accumulation over the m micro-batches ([ZeRO] 5 and 7 for the collectives;
     G, W: the gradients' and the weights' bytes of n_params / (tp x pp) parameters; each
@@ -322,11 +342,11 @@ def data_parallel_seconds(model: Model, layout: Layout, compute: float, bandwidt
                   behind that micro-batch's forward and backward.
     """
     n, m = layout.dp * layout.cp, layout.micro_batches
+    groups = state_groups(model, layout)
     if n == 1:
         return 0.0, 0.0
-    psi = model.n_params / (layout.tp * layout.pp)
-    gather_w = allgather_seconds(psi * precision.param, n, bandwidth)
-    scatter_g = allgather_seconds(psi * precision.grad, n, bandwidth)
+    gather_w = sum(allgather_seconds(psi * precision.param, shards, bandwidth) for psi, shards in groups)
+    scatter_g = sum(allgather_seconds(psi * precision.grad, shards, bandwidth) for psi, shards in groups)
     per_micro = compute / m
     backward = per_micro * (1 - (2 / 8 if layout.recompute == "full" else 2 / 6))
     if layout.zero in (0, 1):
@@ -341,12 +361,13 @@ def data_parallel_seconds(model: Model, layout: Layout, compute: float, bandwidt
 
 def estimate_step(model: Model, layout: Layout, hardware: Hardware, *, tp_bandwidth: float,
                   dp_bandwidth: float, pp_bandwidth: float, cp_bandwidth: float | None = None,
-                  efficiency: float = 0.5, precision: Precision = MIXED, overlap_dp: bool = True,
-                  attention: bool = False) -> dict:
+                  ep_bandwidth: float | None = None, efficiency: float = 0.5, precision: Precision = MIXED,
+                  overlap_dp: bool = True, attention: bool = False) -> dict:
     """Seconds of one optimizer step on every GPU, by part, and the model FLOPs utilization.
 
-    compute  training_flops (plus attention_flops with `attention`) / (GPUs x peak x efficiency):
-             `efficiency` is the fraction of peak the kernels reach, an assumption to state;
+    compute  training_flops of active_params (plus attention_flops with `attention`) / (GPUs x
+             peak x efficiency): `efficiency` is the fraction of peak the kernels reach, an
+             assumption to state; an MoE's experts are assumed evenly loaded;
     bubble   compute x pipeline_bubble(pp, m, interleave, schedule);
     tp       per layer and micro-batch, 2 all-reduces forward and 2 backward of the (b, s / cp, h)
              activation ([Narayanan] 3; sequence parallelism moves the same bytes), 2 more with
@@ -354,6 +375,8 @@ def estimate_step(model: Model, layout: Layout, hardware: Hardware, *, tp_bandwi
     cp       per layer and micro-batch, an all-gather of K and V (2 b s h kv_heads / heads values)
              forward and a reduce-scatter of their gradients backward, one more all-gather with
              full recomputation ([Llama3] 3.3.2); on the critical path;
+    ep       `expert_parallel_seconds`: 4 all-to-alls per MoE layer and micro-batch; on the
+             critical path;
     dp       `data_parallel_seconds`: all of the traffic, and `exposed_dp`, what no computation
              hides (all of it without `overlap_dp`);
     pp       each micro-batch's activation forward and its gradient back, over one link, once
@@ -365,8 +388,8 @@ def estimate_step(model: Model, layout: Layout, hardware: Hardware, *, tp_bandwi
     """
     m, world = layout.micro_batches, layout.gpus
     tokens = layout.global_batch * model.seq
-    useful = training_flops(model.n_params, tokens)
-    work = training_flops(model.n_params, tokens, layout.recompute)
+    useful = training_flops(active_params(model), tokens)
+    work = training_flops(active_params(model), tokens, layout.recompute)
     if attention:
         useful += attention_flops(model.layers, model.hidden, model.seq, tokens)
         work += attention_flops(model.layers, model.hidden, model.seq, tokens, layout.recompute)
@@ -387,10 +410,14 @@ def estimate_step(model: Model, layout: Layout, hardware: Hardware, *, tp_bandwi
         kv = 2 * layout.micro_batch * model.seq * model.hidden * (model.kv_heads or model.heads) / model.heads
         cp = model.layers / layout.pp * m * (3 if full else 2) * allgather_seconds(
             kv * precision.activation / layout.tp, layout.cp, cp_bandwidth)
+    if layout.ep > 1 and ep_bandwidth is None:
+        raise ValueError("ep > 1 needs ep_bandwidth")
+    ep = expert_parallel_seconds(model, layout, ep_bandwidth or 1.0, precision.activation)
     dp, exposed_dp = data_parallel_seconds(model, layout, compute, dp_bandwidth, precision)
     if not overlap_dp:
         exposed_dp = dp
     pp = 2 * m * layout.interleave * activation / pp_bandwidth if layout.pp > 1 else 0.0
-    total = compute + bubble + tp + cp + exposed_dp + pp
-    return {"compute": compute, "bubble": bubble, "tp": tp, "cp": cp, "dp": dp, "exposed_dp": exposed_dp,
-            "pp": pp, "total": total, "mfu": useful / (total * world * hardware.flops)}
+    total = compute + bubble + tp + cp + ep + exposed_dp + pp
+    return {"compute": compute, "bubble": bubble, "tp": tp, "cp": cp, "ep": ep, "dp": dp,
+            "exposed_dp": exposed_dp, "pp": pp, "total": total,
+            "mfu": useful / (total * world * hardware.flops)}

@@ -113,7 +113,8 @@ def test_no_lesson_writes_a8s_functions_or_formulas():
     names = ("per_rank_memory", "step_time", "best_config", "train_3d")
     fragments = ("12sh/tp", "(a/tp)s", "24mbsh", "min(pp-i", "size*stride")
     sources = [(path.name, "\n".join(c.source for c in nbformat.read(path, as_version=4).cells)) for path in LESSONS]
-    sources.append(("course/planning.py", (REPO / "course" / "planning.py").read_text()))
+    for module in ("planning.py", "planning_moe.py"):
+        sources.append((f"course/{module}", (REPO / "course" / module).read_text()))
     for name, source in sources:
         for function in names:
             assert not re.search(rf"^\s*(def|class)\s+{function}\b", source, flags=re.MULTILINE), (name, function)
