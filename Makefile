@@ -70,9 +70,24 @@ clean:
 # (gpu-report.md and .json); exit 1 if something that should work here failed. Without a GPU
 # it says so and runs only its start-up checks. On a GPU machine, commit the report as
 # docs/gpu-report.md (docs/gpu-check.md). GPU_CHECK_ARGS="--only lessons,grading".
-.PHONY: gpu-check
+.PHONY: gpu-check wheelhouse gpu-check-offline
 gpu-check: install
 	$(PY) -m autograder.gpu_check $(GPU_CHECK_ARGS)
+
+# A GPU machine with its own CUDA torch (2.11-2.15) and no network (docs/gpu-check.md): on a
+# machine with network, `make wheelhouse` writes what gpu-check needs besides torch as wheels
+# into $(WHEELHOUSE) (WHEELHOUSE_ARGS="--python-version 3.12 --glibc 2.28" for another machine);
+# on the GPU machine, `make gpu-check-offline [WHEELHOUSE=dir] [PYTHON=the python with torch]`
+# makes $(GPU_CHECK_VENV) over that Python (--system-site-packages: its torch is used, never
+# installed), installs from the wheelhouse alone (pip --no-index) and runs gpu-check.
+WHEELHOUSE     ?= build/wheelhouse
+GPU_CHECK_VENV ?= build/gpu-check-venv
+wheelhouse:
+	$(PYTHON) -m autograder.gpu_check.wheelhouse build $(WHEELHOUSE) $(WHEELHOUSE_ARGS)
+
+gpu-check-offline:
+	$(PYTHON) -m autograder.gpu_check.wheelhouse install $(WHEELHOUSE) $(GPU_CHECK_VENV)
+	$(GPU_CHECK_VENV)/bin/python -m autograder.gpu_check $(GPU_CHECK_ARGS)
 
 # ---------------------------------------------------------------- instructors (docs/instructor.md)
 # make lab-instructor               JupyterLab with nbgrader's tools (Formgrader, Create Assignment)
