@@ -9,6 +9,8 @@
   (mixture-of-experts models and expert parallelism in :mod:`course.planning_moe`).
 - :mod:`course.collectives`, :mod:`course.compat`: watching collectives, and what differs
   between the torch releases the course supports.
+- :mod:`course.flight`: per-rank traces of collective calls, for finding where a hung job's
+  ranks stopped agreeing (lesson 17).
 
 Set ``COURSE_FULL=1`` in the environment for real-sized runs; by default every lesson runs
 in a quick mode small enough for a laptop CPU.
