@@ -48,6 +48,7 @@ ASSIGNMENTS: dict[str, Assignment] = {a.name: a for a in [
     Assignment("a6_context_parallel", "context_parallel.ipynb"),
     Assignment("a7_expert_parallel", "expert_parallel.ipynb"),
     Assignment("a8_composition", "composition.ipynb"),
+    Assignment("a9_resilience", "resilience.ipynb"),
 ]}
 
 

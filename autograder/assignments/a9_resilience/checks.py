@@ -1,0 +1,402 @@
+"""Checks for Assignment 9: when things go wrong.
+
+``diagnose``: public fixed cases (their expected values are data, public_cases.json), the
+ValueError cases, the grader's own planted faults recorded from real gloo runs (:mod:`.faults`:
+the expected diagnosis follows from the fault it planted) and, with the instructor's answer key
+(``hidden=True``), random traces compared with the key's reference. The recording starts in a
+background thread as this module is collected, in the grader's process, and is awaited by the
+check that needs it.
+
+``save_checkpoint``/``load_latest``: a round trip, then saves killed with SIGKILL before and
+after each file-system call, after seeded random delays, and cut off mid-write by a file-size
+limit. Every kill must leave the latest complete checkpoint loadable (step 1 or step 2, with
+exactly that step's values), and the next save must work.
+
+``train_resumable``: three jobs (uninterrupted; killed and restarted on as many ranks; killed,
+restarted on another number and killed again) run once and shared by its three checks: bitwise
+against the uninterrupted job, float64 against one process, and the samples each step read.
+``async_save``: its state changed right after the call while its writer is held; its speed
+counts only when that check passes. Points: spec.py.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from autograder.checking.expect import fresh_generator
+from autograder.checking.harness import skip_unless
+from autograder.keys import answer_key
+
+from . import expected as E
+from . import faults
+from .probes import (plain, probe_async, probe_async_timing, probe_commit_kills,
+                     probe_diagnose, probe_diagnose_errors, probe_random_kills, probe_resumable,
+                     probe_round_trip)
+from .spec import SPEC
+
+graded = SPEC.graded
+faults.start_in_background()
+#: floats in the big tensor of the randomly killed saves (1 MB: a save takes milliseconds)
+RANDOM_NUMEL = 250_000
+
+
+def _key():
+    key = answer_key(SPEC.assignment)
+    assert key is not None, "the answer key is absent: this check should have been skipped"
+    return key
+
+
+def _seed() -> int:
+    _, seed = fresh_generator()
+    return seed
+
+
+def _show(per_rank) -> str:
+    """Each rank's calls on one line (for a failure's message)."""
+    lines = []
+    for rank, trace in enumerate(per_rank):
+        calls = ", ".join(f"{e['group']}#{e['seq']} {e['op']}{e['shapes']}"
+                          + (f" peer {e['peer']}" if e["peer"] is not None else "")
+                          + ("" if e["state"] == "completed" else " (started)") for e in trace)
+        lines.append(f"  rank {rank}: {calls or '(no calls)'}")
+    return "\n".join(lines)
+
+
+def _judge_diagnoses(replies, cases, wants, where):
+    assert isinstance(replies, list) and len(replies) == len(cases), "the reply was tampered with"
+    for (what, traces), reply, want in zip(cases, replies, wants):
+        assert isinstance(reply, dict), "the reply was tampered with"
+        if "error" in reply:
+            raise AssertionError(f"diagnose raised {reply['error']} for {what} ({where}):\n"
+                                 + _show(traces))
+        got = reply["result"]
+        if want is None:
+            assert got.get("t") == "None", (
+                f"diagnose should return None for {what} ({where}); got {_value(got)}:\n"
+                + _show(traces))
+            continue
+        assert got.get("t") == "dict" and list(got.get("keys", [])) == ["str"] * len(got["v"]) \
+            and set(got["v"]) == set(want), (
+                f"diagnose should return a dict with exactly the keys {sorted(want)} for {what}; "
+                f"got {_value(got)}")
+        value = _value(got)
+        assert value == want, (f"diagnose is {value} for {what}; expected {want} ({where}):\n"
+                               + _show(traces))
+
+
+def _value(desc):
+    """The plain value of a probe's description (types kept apart: 1.0 is not 1)."""
+    t, v = desc.get("t"), desc.get("v")
+    if t == "dict":
+        return {k: _value(x) for k, x in v.items()}
+    if t in ("list", "tuple"):
+        return [_value(x) for x in v] if t == "list" else ("tuple", [_value(x) for x in v])
+    if t in ("int", "str", "bool", "None"):
+        return v
+    return f"<{t}>" if t != "float" else ("float", v)
+
+
+@graded
+def test_diagnose_fixed_cases(student):
+    cases = E.public_cases()["diagnose"]
+    pairs = [(c["what"], c["traces"]) for c in cases]
+    replies = student.call(probe_diagnose, [t for _, t in pairs])
+    _judge_diagnoses(replies, pairs, [c["expected"] for c in cases],
+                     "a public case: public_cases.json")
+
+
+@graded
+def test_diagnose_value_errors(student):
+    errors = student.call(probe_diagnose_errors, [t for _, t in E.BAD_TRACES])
+    assert isinstance(errors, list) and len(errors) == len(E.BAD_TRACES), \
+        "the reply was tampered with"
+    for (why, _), error in zip(E.BAD_TRACES, errors):
+        assert error == "ValueError", f"diagnose with {why} should raise ValueError; got {error}"
+
+
+@graded
+def test_diagnose_hidden_random_traces(student):
+    key, seed = _key(), _seed()
+    cases = [(f"a random trace (case {i}, seed {seed})", t)
+             for i, t in enumerate(key.hidden_traces(random.Random(seed)))]
+    replies = student.call(probe_diagnose, [t for _, t in cases])
+    _judge_diagnoses(replies, cases, [key.diagnose(t) for _, t in cases], "hidden")
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+def _judge_load(reply, seed, steps, what, numel=1000):
+    """The load returned one of ``steps`` and left exactly that step's values in the state."""
+    assert isinstance(reply, dict), "the reply was tampered with"
+    if "error" in reply:
+        raise AssertionError(f"load_latest raised {reply['error']} {what}")
+    step = reply["step"]
+    assert step.get("t") == "int" and step.get("v") in steps, (
+        f"load_latest returned {_value(step)} {what}; expected "
+        + (f"one of the steps {steps} (the latest complete checkpoint)" if len(steps) > 1
+           else f"{steps[0]}"))
+    want, state = E.checkpoint_state(step["v"], seed, numel), reply["state"]
+    assert isinstance(state, dict) and set(state) == set(want), (
+        f"after load_latest {what} the state has the keys {sorted(state)}; expected "
+        f"{sorted(want)}")
+    for k, v in want.items():
+        got = state[k]
+        if isinstance(v, torch.Tensor):
+            t = got.get("tensor") if isinstance(got, dict) else None
+            ok = (isinstance(t, torch.Tensor) and t.dtype == v.dtype and t.shape == v.shape
+                  and torch.equal(t, v))
+        else:
+            ok = isinstance(got, dict) and "value" in got and \
+                _value(got["value"]) == _value(plain(v))
+        assert ok, (f"after load_latest {what}, state['{k}'] is not what step {step['v']} saved "
+                    "(exactly: tensors bitwise with their dtype, Python values equal; a "
+                    "half-written or mixed checkpoint?)")
+
+
+@graded
+def test_checkpoint_round_trip(student):
+    seed = _seed()
+    reply = student.call(probe_round_trip, seed)
+    assert isinstance(reply, dict), "the reply was tampered with"
+    for where in ("missing", "empty"):
+        r = reply[where]
+        assert "error" not in r, f"load_latest raised {r.get('error')} ({where} folder)"
+        assert r["step"].get("t") == "None", (
+            f"load_latest should return None when there is no checkpoint ({where} folder); got "
+            f"{_value(r['step'])}")
+        blank = E.blank_state()
+        assert all(("tensor" in r["state"][k] and torch.equal(r["state"][k]["tensor"], v))
+                   if isinstance(v, torch.Tensor) else "value" in r["state"][k]
+                   for k, v in blank.items()), \
+            f"load_latest changed the state although there was no checkpoint ({where} folder)"
+    _judge_load(reply["latest"], seed, [3], "after saving steps 1, 2 and 3")
+
+
+def _judge_trials(trials, seed, numel):
+    assert isinstance(trials, list) and trials, "the reply was tampered with"
+    for trial in trials:
+        assert isinstance(trial, dict), "the reply was tampered with"
+        kill = trial.get("kill", "no kill")
+        assert "setup" not in trial, trial.get("setup")
+        if trial["ended"] == "hung":
+            raise AssertionError(f"save_checkpoint did not return within the probe's limit ("
+                                 f"kill planned: {kill})")
+        if trial["saved"] or kill.startswith("none"):
+            assert trial["saved"], (f"save_checkpoint of step 2 (no kill) failed: "
+                                    f"{trial['error'] or trial['ended']}")
+            steps = [2]
+        else:
+            steps = [1, 2]
+        _judge_load(trial["loaded"], seed, steps,
+                    f"after step 2's save was stopped ({kill}; the child {trial['ended']})",
+                    numel)
+        then = trial["then"]
+        assert "error" not in then or "load_latest" in then["error"], \
+            f"{then.get('error')} (after step 2's save was stopped: {kill})"
+        _judge_load(then, seed, [3], f"after step 2's save was stopped ({kill}) and step 3 was "
+                    "saved", numel)
+
+
+@graded
+def test_checkpoint_survives_kills_at_each_file_system_call(student):
+    seed = _seed()
+    trials = student.call(probe_commit_kills, seed)
+    _judge_trials(trials, seed, 1000)
+    assert len(trials) > 1, ("save_checkpoint made no call to open, os.replace, os.rename, "
+                             "os.fsync, ... from Python: the text asks for a write to a "
+                             "temporary file, then a commit")
+
+
+@graded
+def test_checkpoint_survives_kills_at_random_moments(student):
+    seed = _seed()
+    _judge_trials(student.call(probe_random_kills, seed, RANDOM_NUMEL), seed, RANDOM_NUMEL)
+
+
+# ---------------------------------------------------------------------------- train_resumable
+
+EPS = torch.finfo(torch.float64).eps
+#: Across world sizes, float64. Why: each step's gradient and loss are sums of B = 6 per-sample
+#: terms, grouped otherwise on 2 and on 3 ranks (partial sums of 3 or of 2, then an all-reduce):
+#: each sum moves by a few ulps of its terms; 10 steps of momentum SGD at lr 0.1 on a tanh MLP
+#: of weights O(1) carry that along without growing it by more than a small factor. 4096 ulps
+#: of max(1, |value|) leaves room by a factor of hundreds (the reference strays by ~10 ulps);
+#: the bugs this catches (noise drawn again after a restart, samples read twice or skipped, a
+#: momentum reset) move the losses by 1e-4 or more.
+ULPS = 4096
+
+
+def _kill_plan(seed):
+    """Three jobs: uninterrupted on 2 ranks; on 2 ranks killed once (a random rank, at step 4
+    or 5) and restarted on 2; killed on 2, restarted on 3 and killed again (at step 7 or 8),
+    restarted on 2."""
+    g = random.Random(seed)
+    first, second = g.choice([4, 5]), g.choice([7, 8])
+    return [[(2, None)],
+            [(2, (g.randrange(2), first)), (2, None)],
+            [(2, (g.randrange(2), first)), (3, (g.randrange(3), second)), (2, None)]]
+
+
+def _jobs(student):
+    def run():
+        seed = _seed()
+        jobs = _kill_plan(seed)
+        helpers = E.helper_cells(SPEC.function("train_resumable").helpers)
+        reply = student.call(probe_resumable, seed, jobs, helpers)
+        assert isinstance(reply, list) and len(reply) == len(jobs), "the reply was tampered with"
+        return seed, jobs, reply
+    return student.shared("train_resumable", run)
+
+
+def _label(job) -> str:
+    parts = []
+    for world, kill in job:
+        parts.append(f"{world} ranks" + (f" (rank {kill[0]} killed after step {kill[1]})"
+                                         if kill else ""))
+    return " -> ".join(parts)
+
+
+def _history(job, reply):
+    """``{step: (loss, ids of every rank)}``: each step from the last run in which every rank
+    logged it; a failure if a run without a planned kill failed."""
+    where = f"train_resumable on {_label(job)}"
+    for run, (spec, got) in enumerate(zip(job, reply["runs"])):
+        if got["error"] and spec[1] is None:
+            raise AssertionError(f"{where}: run {run + 1} failed: {got['error']}")
+    assert len(reply["runs"]) == len(job) and reply["state"] is not None, \
+        f"{where}: the last run did not finish"
+    history = {}
+    for run, (world, _) in enumerate(job):
+        logs = reply["logs"].get(run, {})
+        steps = [{line["step"]: line for line in logs.get(r, [])} for r in range(world)]
+        for step in set().union(*steps):
+            if all(step in s for s in steps):
+                lines = [s[step] for s in steps]
+                losses = {repr(line["loss"]) for line in lines}
+                assert len(losses) == 1, (f"{where}, run {run + 1}: the ranks logged different "
+                                          f"losses for step {step}: {sorted(losses)}")
+                history[step] = (lines[0]["loss"], sorted(i for line in lines for i in line["ids"]))
+    from . import ranks as R
+    assert sorted(history) == list(range(R.STEPS)), (
+        f"{where}: log(step, loss) was called for the steps {sorted(history)} by every rank; "
+        f"expected 0 to {R.STEPS - 1}")
+    return history
+
+
+def _judge_state(state, want, where, exact):
+    assert isinstance(state, dict) and "error" not in state and set(state) == set(want), (
+        f"{where}: train_resumable should return the model's state_dict; got "
+        f"{state.get('error') if isinstance(state, dict) and 'error' in state else sorted(state)}")
+    for name, w in want.items():
+        got = state[name]
+        assert isinstance(got, torch.Tensor) and got.shape == w.shape and got.dtype == w.dtype, \
+            f"{where}: {name} is not a {w.dtype} tensor of shape {tuple(w.shape)}"
+        if exact:
+            assert torch.equal(got, w), (f"{where}: the final {name} differs from the "
+                                         "uninterrupted run's (bitwise, same world size)")
+        else:
+            err = (got - w).abs().max().item()
+            assert err <= ULPS * EPS * max(1.0, w.abs().max().item()), (
+                f"{where}: the final {name} differs from one process's by {err:.3g}")
+
+
+def _judge_losses(history, want, where, exact):
+    for step, w in enumerate(want):
+        v = history[step][0]
+        assert type(v) is float, f"{where}: the loss logged for step {step} is not a float: {v}"
+        ok = v == w if exact else abs(v - w) <= ULPS * EPS * max(1.0, abs(w))
+        assert ok, (f"{where}: the loss of step {step} is {v!r}; "
+                    f"{'the uninterrupted run' if exact else 'one process'} had {w!r}")
+
+
+@graded
+def test_train_resumable_matches_an_uninterrupted_run_on_one_world_size_bitwise(student):
+    seed, jobs, reply = _jobs(student)
+    plain_run = _history(jobs[0], reply[0])
+    where = f"train_resumable on {_label(jobs[1])}"
+    killed = _history(jobs[1], reply[1])
+    _judge_losses(killed, [plain_run[s][0] for s in sorted(plain_run)], where, exact=True)
+    _judge_state(reply[1]["state"], reply[0]["state"], where, exact=True)
+
+
+@graded
+def test_train_resumable_across_world_sizes_matches_one_process(student):
+    seed, jobs, reply = _jobs(student)
+    want_losses, want_state = E.one_process_training(seed)
+    for job, got in ((jobs[0], reply[0]), (jobs[2], reply[2])):
+        where = f"train_resumable on {_label(job)}"
+        _judge_losses(_history(job, got), want_losses, where, exact=False)
+        _judge_state(got["state"], want_state, where, exact=False)
+
+
+@graded
+def test_train_resumable_reads_each_sample_once_in_the_stated_order(student):
+    seed, jobs, reply = _jobs(student)
+    for job, got in zip(jobs, reply):
+        history = _history(job, got)
+        for step, (_, ids) in sorted(history.items()):
+            want = sorted(E.batch_ids(seed, step))
+            assert ids == want, (
+                f"train_resumable on {_label(job)}: step {step} read the samples {ids} (all "
+                f"ranks); the stated order gives {want} (seed {seed})")
+
+
+# ---------------------------------------------------------------------------- async_save
+
+#: float32s of the state the speed check saves (64 MB): a write long enough to see
+ASYNC_NUMEL = 16_000_000
+#: the speed check SKIPs where one whole save takes less than this (nothing to tell apart)
+ASYNC_MINIMUM = 0.03
+
+
+def _async_correct(student):
+    """The correctness run, shared by both checks (a speed counts only for a correct save)."""
+    def run():
+        seed = _seed()
+        helpers = E.helper_cells(SPEC.function("async_save").helpers)
+        reply = student.call(probe_async, seed, RANDOM_NUMEL, helpers)
+        assert isinstance(reply, dict), "the reply was tampered with"
+        if "error" in reply:
+            raise AssertionError(reply["error"])
+        _judge_load(reply["loaded"], seed, [2], "after async_save of step 2, the state "
+                    "changed in place right after it returned (the writer held until then), "
+                    "and wait()", RANDOM_NUMEL)
+    return student.shared("async_save", run)
+
+
+@graded
+def test_async_save_holds_the_state_of_its_step(student):
+    _async_correct(student)
+
+
+@graded
+def test_async_save_returns_before_the_save_is_written(student):
+    try:
+        _async_correct(student)
+    except AssertionError as exc:
+        raise AssertionError(f"not counted: async_save is not correct ({exc})") from None
+    helpers = E.helper_cells(SPEC.function("async_save").helpers)
+    times = student.call(probe_async_timing, ASYNC_NUMEL, 3, helpers)
+    assert isinstance(times, list) and len(times) == 3, "the reply was tampered with"
+    blocked = sorted(b for b, _ in times)[1]
+    total = sorted(t for _, t in times)[1]
+    skip_unless(total >= ASYNC_MINIMUM,
+                f"a whole save of 64 MB took {1000 * total:.0f} ms here: too short to tell the "
+                "time async_save blocks from the time it writes")
+    assert blocked <= 0.5 * total, (
+        f"async_save blocked for {1000 * blocked:.0f} ms of a {1000 * total:.0f} ms save "
+        "(median of 3): it should return once the state is staged, at most half of it")
+    print(f"async_save blocked {1000 * blocked:.0f} ms of a {1000 * total:.0f} ms save")
+
+
+# ---------------------------------------------------------------------------- last: its
+# recording (started as this module was collected) ran meanwhile
+
+@graded
+def test_diagnose_planted_faults_recorded_on_gloo(student):
+    recorded = faults.recorded()
+    cases = [(what, recorded[name]) for name, what, _ in faults.SCENARIOS]
+    replies = student.call(probe_diagnose, [t for _, t in cases])
+    _judge_diagnoses(replies, cases, [want for _, _, want in faults.SCENARIOS],
+                     "recorded from 3 gloo processes")

@@ -1,0 +1,99 @@
+"""Saves that get killed: a child forked from the sandbox's worker (beside the student's code),
+stopped with SIGKILL at a chosen moment and always reaped. Used by :mod:`.probes`; judges
+nothing.
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+
+def error_text(exc) -> str:
+    """An exception as one short line: its type and message."""
+    return (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)[:500]
+
+
+#: What a save may call to write or commit: a kill is planted before or after each call.
+HOOKED = (("os", "replace"), ("os", "rename"), ("os", "link"), ("os", "symlink"),
+          ("os", "fsync"), ("os", "unlink"), ("os", "remove"), ("os", "rmdir"),
+          ("os", "mkdir"), ("builtins", "open"), ("io", "open"), ("shutil", "move"))
+#: Seconds a child's save may take before it counts as hung.
+CHILD_TIMEOUT = 20.0
+
+
+def install_hooks(plan, report):
+    """Wrap the file-system functions of :data:`HOOKED`: each call is an event; ``plan`` =
+    (k, "before" | "after") kills this process at the k-th event; ``report(name)`` notes it."""
+    import importlib
+
+    count = [0]
+    for module_name, attr in HOOKED:
+        module = importlib.import_module(module_name)
+        original = getattr(module, attr)
+
+        def hooked(*args, __original=original, __name=f"{module_name}.{attr}", **kwargs):
+            k = count[0]
+            count[0] += 1
+            report(__name)
+            if plan and plan == (k, "before"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            result = __original(*args, **kwargs)
+            if plan and plan == (k, "after"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+        setattr(module, attr, hooked)
+
+
+def run_child(body, on_go=None, timeout=CHILD_TIMEOUT):
+    """Run ``body(say)`` in a forked child (``say(text)`` sends a line to this process); calls
+    ``on_go(pid)`` when the child says "go". Returns (lines, how it ended, when each line
+    first came). Always reaped."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        os.close(r)
+        code = 1
+        say = lambda text: os.write(w, (text + "\n").encode())  # noqa: E731
+        try:
+            body(say)
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - sent to the probe
+            say("error " + error_text(exc).replace("\n", " "))
+        os._exit(code)
+    os.close(w)
+    lines, buf, deadline, ended, stamps = [], b"", time.monotonic() + timeout, None, {}
+    try:
+        while True:
+            ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                ended = "hung"
+                break
+            chunk = os.read(r, 4096)
+            if not chunk:
+                break
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                lines.append(line.decode())
+                stamps.setdefault(lines[-1], time.monotonic())
+                if line == b"go" and on_go:
+                    on_go(pid)
+    finally:
+        os.close(r)
+        try:
+            os.kill(pid, signal.SIGKILL) if ended == "hung" else None
+        except ProcessLookupError:
+            pass
+        _, status = os.waitpid(pid, 0)
+    if ended is None:
+        ended = (f"killed by {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status)
+                 else f"exit code {os.WEXITSTATUS(status)}")
+    return lines, ended, stamps
+
+
+def kill_child(pid):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,188 @@
+"""Assignment 9's public expectations: the fixed traces ``diagnose`` is checked on (their
+expected values are data, in public_cases.json, generated from the instructor's answer key), the
+malformed traces that must raise ValueError, and the states the checkpoint checks save. The
+reference implementations and the hidden random traces are in the answer key
+(``solutions/a9_resilience/answer_key.py``), never here."""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+#: The ops a trace may hold (course.collectives' names, without RECVANYSOURCE).
+OPS = ("ALLREDUCE", "BROADCAST", "REDUCE", "ALLGATHER", "REDUCE_SCATTER", "ALLTOALL", "BARRIER",
+       "GATHER", "SCATTER", "SEND", "RECV")
+KINDS = ("missing", "op", "shape", "dtype", "order")
+PUBLIC_CASES_PATH = Path(__file__).with_name("public_cases.json")
+
+
+@functools.cache
+def public_cases() -> dict:
+    return json.loads(PUBLIC_CASES_PATH.read_text())
+
+
+def entry(seq, group, op, shape=(4,), dtype="float32", peer=None, state="completed"):
+    return {"seq": seq, "group": group, "op": op, "shapes": [list(shape)] if shape else [],
+            "dtype": dtype, "peer": peer, "state": state}
+
+
+def _run(n, calls):
+    """Traces of ``n`` ranks from ``calls``: ``(ranks, group, op, shape, dtype, peer)`` issued
+    in order by each of ``ranks`` (seq counted per rank and group)."""
+    traces, counts = [[] for _ in range(n)], {}
+    for ranks, group, op, shape, dtype, peer in calls:
+        for r in ranks:
+            seq = counts.get((r, group), 0)
+            counts[(r, group)] = seq + 1
+            traces[r].append(entry(seq, group, op, shape, dtype, peer))
+    return traces
+
+
+def _stuck(per_rank):
+    """The last entry of every rank still "started", as a hung rank leaves it."""
+    for t in per_rank:
+        if t:
+            t[-1]["state"] = "started"
+    return per_rank
+
+
+W3, W4 = "0,1,2", "0,1,2,3"
+F = "float32"
+#: (what, traces): the public fixed cases (expected values: public_cases.json)
+FIXED_TRACES = [
+    ("a clean run on one group", _run(3, [((0, 1, 2), W3, "ALLREDUCE", (4,), F, None),
+                                          ((0, 1, 2), W3, "BROADCAST", (2, 2), F, None)])),
+    ("no calls at all", [[], [], []]),
+    ("a clean run on two groups and point-to-point",
+     _run(4, [((0, 1, 2, 3), W4, "ALLREDUCE", (4,), F, None),
+              ((1, 3), "1,3", "ALLGATHER", (2,), F, None),
+              ((0,), "0,2", "SEND", (3,), F, 2), ((2,), "0,2", "RECV", (3,), F, 0),
+              ((0, 1, 2, 3), W4, "BARRIER", (), "", None)])),
+    ("rank 2 never issues the second all-reduce",
+     _stuck(_run(3, [((0, 1, 2), W3, "ALLREDUCE", (4,), F, None),
+                     ((0, 1), W3, "ALLREDUCE", (4,), F, None)]))),
+    ("rank 0 broadcasts where the others all-reduce",
+     _stuck(_run(3, [((0, 1, 2), W3, "ALLREDUCE", (4,), F, None),
+                     ((0,), W3, "BROADCAST", (4,), F, None),
+                     ((1, 2), W3, "ALLREDUCE", (4,), F, None)]))),
+    ("rank 3 sends a float64 tensor in an all-reduce",
+     _stuck(_run(4, [((0, 1, 2), W4, "ALLREDUCE", (4,), F, None),
+                     ((3,), W4, "ALLREDUCE", (4,), "float64", None)]))),
+    ("ranks 1 and 2 swap an all-gather and an all-reduce (asynchronous calls)",
+     _run(4, [((0, 3), W4, "ALLREDUCE", (8,), F, None), ((1, 2), W4, "ALLGATHER", (2,), F, None),
+              ((0, 3), W4, "ALLGATHER", (2,), F, None), ((1, 2), W4, "ALLREDUCE", (8,), F, None)])),
+    ("two ranks disagree with two others: the lowest rank's call is the reference",
+     _stuck(_run(4, [((0, 1), W4, "ALLREDUCE", (4,), F, None),
+                     ((2, 3), W4, "ALLREDUCE", (5,), F, None)]))),
+    ("a receive that was never sent",
+     _stuck(_run(3, [((0, 1, 2), W3, "ALLREDUCE", (4,), F, None),
+                     ((1,), W3, "RECV", (3,), F, 2)]))),
+    ("a send and its receive of different shapes",
+     _run(2, [((0,), "0,1", "SEND", (3,), F, 1), ((1,), "0,1", "RECV", (4,), F, 0)])),
+    ("two groups diverge: the smaller seq is first",
+     _stuck(_run(4, [((0, 1, 2, 3), W4, "ALLREDUCE", (4,), F, None),
+                     ((0, 1, 2, 3), W4, "ALLREDUCE", (4,), F, None),
+                     ((2,), "2,3", "ALLREDUCE", (2,), F, None),
+                     ((0, 1, 2), W4, "BROADCAST", (4,), F, None)]))),
+    ("a shape at seq 0 on rank 2 comes before rank 0's missing call at seq 1",
+     _stuck(_run(3, [((0, 1), W3, "ALLREDUCE", (4,), F, None),
+                     ((2,), W3, "ALLREDUCE", (5,), F, None),
+                     ((1, 2), W3, "ALLREDUCE", (4,), F, None)]))),
+    ("two groups diverge at the same seq: the group's string decides",
+     _stuck(_run(4, [((0, 1), "0,1", "ALLREDUCE", (4,), F, None),
+                     ((2, 3), "2,3", "ALLREDUCE", (4,), F, None),
+                     ((0,), "0,1", "ALLREDUCE", (4,), F, None),
+                     ((3,), "2,3", "ALLREDUCE", (4,), F, None)]))),
+]
+
+
+def _bad():
+    ok = lambda: _run(2, [((0, 1), "0,1", "ALLREDUCE", (4,), F, None)])  # noqa: E731
+    cases = []
+
+    def case(why, change):
+        traces = ok()
+        change(traces)
+        cases.append((why, traces))
+
+    case("an unknown op", lambda t: t[1][0].update(op="ALLREDUCE_SOMETIMES"))
+    case("seqs that skip one (ragged)", lambda t: t[0][0].update(seq=1))
+    case("a seq repeated", lambda t: t[0].append(dict(t[0][0])))
+    case("an entry without its dtype", lambda t: t[0][0].pop("dtype"))
+    case("a rank's entry on a group it is not in", lambda t: t[1][0].update(group="0,2"))
+    case("a send without a peer", lambda t: t[0][0].update(op="SEND"))
+    case("a trace that is not a list", lambda t: t.__setitem__(1, "rank 1 hung"))
+    cases.append(("traces that are not a list", "0,1: ALLREDUCE"))
+    return cases
+
+
+#: (what is wrong, traces): diagnose must raise ValueError for each
+BAD_TRACES = _bad()
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+def checkpoint_state(step: int, seed: int, numel: int = 1000) -> dict:
+    """A state dict of tensors and Python values that differs in every entry from step to
+    step (``numel``: the big tensor's size, to make a save take measurable time)."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return {"weight": torch.randn(numel, generator=g),
+            "bias": torch.randn(3, generator=g, dtype=torch.float64),
+            "counts": torch.randint(0, 100, (2, 2), generator=g),
+            "epoch": step, "lr": 0.1 / step, "note": f"after step {step}",
+            "history": [step, step * 0.5]}
+
+
+def blank_state(numel: int = 1000) -> dict:
+    """What load_latest gets: the same keys, other values."""
+    return {"weight": torch.zeros(numel), "bias": torch.zeros(3, dtype=torch.float64),
+            "counts": torch.zeros(2, 2, dtype=torch.int64), "epoch": -1, "lr": 0.0,
+            "note": "", "history": []}
+
+
+# ---------------------------------------------------------------------------- train_resumable
+
+def batch_ids(seed: int, step: int) -> list[int]:
+    """The global batch of ``step`` as the text states it: epoch ``e`` = step // (N // B) reads
+    ``torch.randperm(N, generator=torch.Generator().manual_seed(seed + e))`` in order."""
+    from . import ranks as R
+
+    per_epoch = R.SAMPLES // R.BATCH
+    epoch, position = divmod(step, per_epoch)
+    perm = torch.randperm(R.SAMPLES, generator=torch.Generator().manual_seed(seed + epoch))
+    return perm[position * R.BATCH:(position + 1) * R.BATCH].tolist()
+
+
+@functools.lru_cache(maxsize=4)
+def one_process_training(seed: int):
+    """``(losses, state)``: one process, the whole global batch each step, float64; the noise
+    from a generator seeded with ``seed`` (what ``torch.manual_seed(seed)`` gives), momentum
+    SGD as the text states it."""
+    from . import ranks as R
+
+    model = R.grader_model(seed)
+    x, y = R.samples(seed)
+    g = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    velocity = {n: torch.zeros_like(p) for n, p in params.items()}
+    losses = []
+    for step in range(R.STEPS):
+        ids = torch.tensor(batch_ids(seed, step))
+        noise = 0.01 * torch.randn(R.BATCH, R.D_IN, generator=g, dtype=torch.float64)
+        loss = ((model(x[ids] + noise) - y[ids]) ** 2).sum() / R.BATCH
+        grads = torch.autograd.grad(loss, list(params.values()))
+        losses.append(loss.item())
+        with torch.no_grad():
+            for (n, p), grad in zip(params.items(), grads):
+                velocity[n].mul_(0.9).add_(grad)
+                p.sub_(R.LR * velocity[n])
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def helper_cells(names) -> list | None:
+    """The reference's cells for the graded functions train_resumable is graded with."""
+    from autograder.checking.reference import reference_cells
+
+    return reference_cells("a9_resilience", ["setup", *sorted(names)]) if names else None

@@ -1,0 +1,332 @@
+'''Assignment 9 answered a second time, from the released notebook's text alone.
+
+Written from ``assignments/a9_resilience/resilience.ipynb`` (its markdown, its set-up cell,
+which imports ``copy``, ``os``, ``Counter``, ``Path``, ``torch``, ``dist``, ``check``, the
+``course.flight`` functions and ``launch``, and the answer stubs); not from the reference
+solution, the grader or its tests: if it loses points, the text (or a check) asks for something
+it does not say. Keys are the answer cells' grade ids.
+
+Deliberately other choices than a typical solution's:
+
+- ``diagnose`` parses every record into a frozen ``dataclass`` (``_Call``) that validates itself,
+  collects every divergence as a sortable ``NamedTuple`` and picks the first with ``sorted``;
+  the reference call is chosen by sorting the members' calls by (-count, first rank);
+- a checkpoint is a *folder* (``step-<n>/`` holding one ``torch.save`` file per key, a JSON
+  index of the plain values): it is written under a temporary name with ``tempfile.mkdtemp``
+  and committed by renaming the folder (``os.rename``, atomic for a folder on one file
+  system); ``load_latest`` walks the committed folders with ``os.scandir``, ignores
+  everything else, and copies into the state's tensors in place where shapes and dtypes agree;
+- ``train_resumable`` uses ``torch.optim.SGD(momentum=0.9)`` (whose momentum buffer is the
+  text's velocity), a small class for the global batch order, ``backward`` instead of
+  ``autograd.grad``, and one all-reduce of all gradients flattened into one vector;
+- ``async_save`` stages with ``.to("cpu", copy=True)`` and ``copy.deepcopy`` and hands the
+  write to a one-thread ``concurrent.futures`` executor; ``wait()`` is the future's ``result()``.
+'''
+
+ANSWERS = {
+    "diagnose": '''\
+import dataclasses
+from typing import NamedTuple
+
+_OPS = frozenset("ALLREDUCE BROADCAST REDUCE ALLGATHER REDUCE_SCATTER ALLTOALL BARRIER "
+                 "GATHER SCATTER SEND RECV".split())
+_FIELDS = frozenset({"seq", "group", "op", "shapes", "dtype", "peer", "state"})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    rank: int
+    seq: int
+    group: str
+    members: tuple
+    op: str
+    shapes: tuple
+    dtype: str
+    peer: object
+
+    @property
+    def what(self):
+        return (self.op, self.shapes, self.dtype)
+
+    @classmethod
+    def parse(cls, rank, world, record):
+        if type(record) is not dict or frozenset(record) != _FIELDS:
+            raise ValueError(f"rank {rank}: not a record with the seven keys: {record!r}")
+        op, peer, group = record["op"], record["peer"], record["group"]
+        if op not in _OPS:
+            raise ValueError(f"rank {rank}: op {op!r} is unknown")
+        if record["state"] not in {"started", "completed"}:
+            raise ValueError(f"rank {rank}: state {record['state']!r}")
+        if type(record["dtype"]) is not str:
+            raise ValueError(f"rank {rank}: dtype {record['dtype']!r} is not a string")
+        shapes = record["shapes"]
+        if type(shapes) is not list or any(type(s) is not list or any(type(d) is not int for d in s)
+                                           for s in shapes):
+            raise ValueError(f"rank {rank}: shapes {shapes!r} are not lists of ints")
+        parts = group.split(",") if type(group) is str else None
+        if not parts or not all(p.isdigit() for p in parts):
+            raise ValueError(f"rank {rank}: group {group!r}")
+        members = tuple(int(p) for p in parts)
+        if list(members) != sorted(set(members)) or members[-1] >= world or rank not in members:
+            raise ValueError(f"rank {rank}: group {group!r} is not sorted ranks holding it")
+        if (op in ("SEND", "RECV")) != (peer is not None):
+            raise ValueError(f"rank {rank}: {op} with peer {peer!r}")
+        if peer is not None and (type(peer) is not int or peer == rank or peer not in members):
+            raise ValueError(f"rank {rank}: {op} with peer {peer!r}")
+        if type(record["seq"]) is not int:
+            raise ValueError(f"rank {rank}: seq {record['seq']!r}")
+        return cls(rank, record["seq"], group, members, op,
+                   tuple(tuple(s) for s in shapes), record["dtype"], peer)
+
+
+class _Divergence(NamedTuple):
+    seq: int
+    group: str
+    ranks: list
+    kind: str
+
+
+def _collective_divergences(group, members, lines):
+    out = []
+    for seq in range(max(map(len, lines.values()))):
+        present = {r: lines[r][seq] for r in members if len(lines.get(r, ())) > seq}
+        if present[min(present)].op in ("SEND", "RECV"):
+            continue
+        if len(present) != len(members):
+            out.append(_Divergence(seq, group, [r for r in members if r not in present], "missing"))
+            continue
+        tally = {}
+        for r in members:
+            tally.setdefault(present[r].what, []).append(r)
+        reference = sorted(tally.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))[0][0]
+        odd = [r for r in members if present[r].what != reference]
+        if not odd:
+            continue
+
+        def what(r, s):
+            line = lines.get(r, ())
+            return line[s].what if len(line) > s else None
+
+        following = {what(r, seq + 1) for r in members if r not in odd}
+        swapped = (len(following) == 1 and None not in following and
+                   all(what(r, seq) in following and what(r, seq + 1) == reference for r in odd))
+        if swapped:
+            kind = "order"
+        elif any(present[r].op != reference[0] for r in odd):
+            kind = "op"
+        elif any(present[r].shapes != reference[1] for r in odd):
+            kind = "shape"
+        else:
+            kind = "dtype"
+        out.append(_Divergence(seq, group, odd, kind))
+    return out
+
+
+def _p2p_divergences(group, members, lines):
+    out = []
+    for src in members:
+        for dst in members:
+            sent = [c for c in lines.get(src, ()) if c.op == "SEND" and c.peer == dst]
+            got = [c for c in lines.get(dst, ()) if c.op == "RECV" and c.peer == src]
+            for k in range(max(len(sent), len(got))):
+                s = sent[k] if k < len(sent) else None
+                g = got[k] if k < len(got) else None
+                if s is None:
+                    out.append(_Divergence(g.seq, group, [src], "missing"))
+                elif g is None:
+                    out.append(_Divergence(s.seq, group, [dst], "missing"))
+                elif s.shapes != g.shapes:
+                    out.append(_Divergence(min(s.seq, g.seq), group, sorted([src, dst]), "shape"))
+                elif s.dtype != g.dtype:
+                    out.append(_Divergence(min(s.seq, g.seq), group, sorted([src, dst]), "dtype"))
+    return out
+
+
+def diagnose(traces):
+    """The first divergence in per-rank collective traces, or None."""
+    if type(traces) is not list:
+        raise ValueError("traces must be a list of per-rank lists")
+    world = len(traces)
+    by_group = {}
+    for rank, records in enumerate(traces):
+        if type(records) is not list:
+            raise ValueError(f"the trace of rank {rank} is not a list")
+        for record in records:
+            call = _Call.parse(rank, world, record)
+            line = by_group.setdefault((call.group, call.members), {}).setdefault(rank, [])
+            if call.seq != len(line):
+                raise ValueError(f"rank {rank}: seq {call.seq} on {call.group} should be "
+                                 f"{len(line)} (seqs go 0, 1, 2, ...)")
+            line.append(call)
+    found = []
+    for (group, members), lines in by_group.items():
+        found.extend(_p2p_divergences(group, members, lines))
+        found.extend(_collective_divergences(group, members, lines))
+    if not found:
+        return None
+    first = sorted(found, key=lambda d: (d.seq, d.group, d.ranks))[0]
+    return {"group": first.group, "seq": first.seq, "kind": first.kind, "ranks": first.ranks}
+''',
+    "save_checkpoint": '''\
+import json
+import tempfile
+
+
+def _fsync_path(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(directory, state, step):
+    """Save state as step's checkpoint in directory: written, flushed, then committed."""
+    os.makedirs(directory, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".staging-", dir=directory)
+    plain = {}
+    for index, (key, value) in enumerate(state.items()):
+        if isinstance(value, torch.Tensor):
+            name = os.path.join(staging, f"tensor-{index}.pt")
+            with open(name, "wb") as f:
+                torch.save(value.detach().clone(), f)
+                f.flush()
+                os.fsync(f.fileno())
+            plain[key] = {"tensor": f"tensor-{index}.pt"}
+        else:
+            plain[key] = {"value": value}
+    with open(os.path.join(staging, "index.json"), "w") as f:
+        json.dump({"step": step, "entries": plain}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_path(staging)
+    final = os.path.join(directory, f"step-{step}")
+    os.rename(staging, final)           # a folder's rename is the commit
+    _fsync_path(directory)
+''',
+    "load_latest": '''\
+def load_latest(directory, state):
+    """Load the latest complete checkpoint of directory into state; its step, or None."""
+    if not os.path.isdir(directory):
+        return None
+    steps = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            name = entry.name
+            if entry.is_dir() and name.startswith("step-") and name[5:].isdigit():
+                steps.append(int(name[5:]))
+    if not steps:
+        return None
+    best = os.path.join(directory, f"step-{max(steps)}")
+    with open(os.path.join(best, "index.json")) as f:
+        index = json.load(f)
+    loaded = {}
+    for key, item in index["entries"].items():
+        if "tensor" in item:
+            loaded[key] = torch.load(os.path.join(best, item["tensor"]), weights_only=True)
+        else:
+            loaded[key] = item["value"]
+    for key, value in loaded.items():
+        old = state.get(key)
+        if (isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor)
+                and old.shape == value.shape and old.dtype == value.dtype):
+            with torch.no_grad():
+                old.copy_(value)
+        else:
+            state[key] = value
+    return index["step"]
+''',
+    "train_resumable": '''\
+class _GlobalOrder:
+    """The global batches of the text, and this rank's share of one."""
+
+    def __init__(self, n, batch_size, seed, rank, world):
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.lo = rank * (batch_size // world)
+        self.hi = self.lo + batch_size // world
+
+    def ids(self, step):
+        epoch, k = divmod(step, self.n // self.batch_size)
+        g = torch.Generator()
+        g.manual_seed(self.seed + epoch)
+        order = torch.randperm(self.n, generator=g)
+        return order[k * self.batch_size:(k + 1) * self.batch_size][self.lo:self.hi]
+
+
+def train_resumable(model_fn, dataset, *, steps, batch_size, lr, checkpoint_every, directory,
+                    seed, log):
+    """Data-parallel momentum SGD that resumes exactly from its latest checkpoint."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = model_fn()
+    names = [n for n, _ in model.named_parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, foreach=False)
+
+    def velocities():
+        return [opt.state[p].get("momentum_buffer") if p in opt.state else None
+                for p in model.parameters()]
+
+    def to_state():
+        out = {"rng": torch.get_rng_state()}
+        for n, p, v in zip(names, model.parameters(), velocities()):
+            out["param." + n] = p.detach().clone()
+            out["velocity." + n] = torch.zeros_like(p) if v is None else v.clone()
+        return out
+
+    restored = to_state()
+    first = load_latest(directory, restored)
+    if first is None:
+        first = 0
+        torch.manual_seed(seed)
+    else:
+        with torch.no_grad():
+            for n, p in zip(names, model.parameters()):
+                p.copy_(restored["param." + n])
+                opt.state[p]["momentum_buffer"] = restored["velocity." + n].clone()
+        torch.set_rng_state(restored["rng"])
+    order = _GlobalOrder(len(dataset), batch_size, seed, rank, world)
+    for step in range(first, steps):
+        xs, ys = zip(*(dataset[int(i)] for i in order.ids(step)))
+        x, y = torch.stack(xs), torch.stack(ys)
+        noise = 0.01 * torch.randn(batch_size, *x.shape[1:], dtype=torch.float64)
+        opt.zero_grad(set_to_none=True)
+        loss = ((model(x + noise[order.lo:order.hi]) - y) ** 2).sum() / batch_size
+        loss.backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        dist.all_reduce(flat)
+        torch.nn.utils.vector_to_parameters(flat, [p.grad for p in model.parameters()])
+        summed = loss.detach().clone()
+        dist.all_reduce(summed)
+        opt.step()
+        log(step, float(summed))
+        if (step + 1) % checkpoint_every == 0:
+            if rank == 0:
+                save_checkpoint(directory, to_state(), step + 1)
+            dist.barrier()
+    return model.state_dict()
+''',
+    "async_save": '''\
+import concurrent.futures
+
+_WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
+
+
+class _Saving:
+    def __init__(self, future):
+        self._future = future
+
+    def wait(self):
+        self._future.result()     # re-raises what the save raised
+
+
+def _stage(value):
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", copy=True)
+    return copy.deepcopy(value)
+
+
+def async_save(directory, state, step):
+    """Stage state, then save it as step's checkpoint in the background; a handle with wait()."""
+    frozen = {key: _stage(value) for key, value in state.items()}
+    return _Saving(_WRITER.submit(save_checkpoint, directory, frozen, step))
+''',
+}

@@ -1,0 +1,227 @@
+"""Assignment 9 through the CLI: the reference scores full (with the answer key, and without it
+every public point with the hidden check reserved), the stubs zero, each planted bug loses
+exactly the checks that judge what it breaks, and a save that hangs costs one timeout; and,
+without a grading, the grader's own parts: public_cases.json is the key's, the planted faults
+recorded on gloo give the diagnoses the grader expects, the malformed traces are malformed.
+
+Planted bugs (one grading, with the key; different functions, each graded with the reference's
+helpers): a diagnosis that reports the divergence of the lowest rank instead of the first
+divergence (diagnose's fixed, hidden and recorded checks; its ValueError point kept), a save
+written in place instead of to a temporary file and committed (both kill checks; the round trip
+kept), a restart that does not restore the RNG state (train_resumable's bitwise and
+across-world-size checks; the samples read are right), and an async save that aliases the live
+tensors instead of staging a copy (its correctness check; its speed check is not run with
+``--speed skip``). A second grading, ``--only train_resumable``: a sampler that restarts at the
+epoch's start after a restart (all three of its checks), a save_checkpoint that hangs (one
+timeout, no process left) and an async save that waits for its own writer (the speed point), in
+a second grading with the speed check measured.
+
+Tier: both: reference full marks (speed measured, and without the key), stub zero and the
+grader's parts without a grading are quick; the planted bugs, the hang and the recording are
+full.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import psutil
+import pytest
+
+from conftest import (REPO, assert_full_marks,
+                      assert_public_points_without_the_key, assert_stubs_score_zero, grade,
+                      planted_copy, points_by_function)
+
+from autograder.assignments.a9_resilience import expected as E
+from autograder.assignments.a9_resilience import faults
+from autograder.assignments.a9_resilience.spec import SPEC
+from autograder.keys import answer_key
+
+SOURCE = REPO / "solutions" / "a9_resilience" / "resilience.ipynb"
+RELEASE = REPO / "assignments" / "a9_resilience" / "resilience.ipynb"
+#: The budget of one grading of the reference on 2 cores with --speed skip.
+GRADING_SECONDS = 30
+
+BUGS = {
+    # the divergence of the lowest rank, not the first one
+    "diagnose": ("min(found, key=lambda d: d[:3])", "min(found, key=lambda d: (d[2], d[:2]))"),
+    # written in place: a kill mid-write leaves a checkpoint that looks complete
+    "save_checkpoint": ('temporary = directory / f"incomplete-{step}-{os.getpid()}.tmp"',
+                        'temporary = directory / f"checkpoint-{step:012d}.pt"'),
+}
+BUGS_FAIL = {"diagnose_fixed_cases", "diagnose_hidden_random_traces",
+             "diagnose_planted_faults_recorded_on_gloo",
+             "checkpoint_survives_kills_at_each_file_system_call",
+             "checkpoint_survives_kills_at_random_moments",
+             "train_resumable_matches_an_uninterrupted_run_on_one_world_size_bitwise",
+             "train_resumable_across_world_sizes_matches_one_process",
+             "async_save_holds_the_state_of_its_step"}
+#: the background writer saves the live tensors, which training changes meanwhile
+ALIAS_BUG = {"async_save": ("""    staged = {key: value.detach().clone() if isinstance(value, torch.Tensor)
+              else copy.deepcopy(value) for key, value in state.items()}""",
+                            "    staged = state  # the live tensors, not a copy")}
+#: an "asynchronous" save that waits for its own writer
+BLOCKING_BUG = {"async_save": ("    thread.start()\n    return pending",
+                               "    thread.start()\n    thread.join()\n    return pending")}
+#: a restart without the RNG state: the noise of the steps after it is drawn anew
+RNG_BUG = {"train_resumable": ('        torch.set_rng_state(state["rng"])\n',
+                               "        pass  # the noise generator goes on where it is\n")}
+#: after a restart, the data starts again at the epoch's first batch
+SAMPLER_BUG = {"train_resumable": (
+    "        epoch, position = divmod(step, per_epoch)\n",
+    "        epoch, position = step // per_epoch, (step - start) % per_epoch\n")}
+#: a save that never returns, and leaves a process that ignores SIGTERM behind
+HANG = {"save_checkpoint": ("    directory = Path(directory)\n    directory.mkdir", """\
+    import subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c",
+                      "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                      "time.sleep(3600)"])
+    while True:
+        time.sleep(0.1)
+    directory = Path(directory)
+    directory.mkdir""")}
+
+
+def key():
+    k = answer_key(SPEC.assignment)
+    assert k is not None, "solutions/a9_resilience/answer_key.py is missing"
+    return k
+
+
+@pytest.mark.slow
+def test_reference_solution_scores_full_marks(offline_env):
+    """Speed measured: the reference's async save blocks well under half of a 64 MB save (42
+    of 369 ms measured; skipped with the reason where a whole save takes under 30 ms)."""
+    start = time.monotonic()
+    report = grade(SOURCE, env=offline_env)
+    took = time.monotonic() - start
+    print(report["stdout"])
+    assert_full_marks(report)
+    assert took < GRADING_SECONDS, f"grading took {took:.1f} s"
+
+
+@pytest.mark.slow
+def test_reference_earns_every_public_point_without_the_key(offline_env):
+    report = assert_public_points_without_the_key(SOURCE, offline_env)
+    assert report["score"] == 19
+    assert {c.name for c in SPEC.checks if c.hidden} == {"diagnose_hidden_random_traces"}
+
+
+@pytest.mark.slow
+def test_released_stubs_score_zero_with_readable_messages(offline_env):
+    assert_stubs_score_zero(grade(RELEASE, "--speed", "skip", env=offline_env))
+
+
+def assert_fails_exactly(report, names):
+    """Exactly the checks ``names`` fail (0 points, a message); every other one passes, but the
+    speed check, which ``--speed skip`` skips with its reason."""
+    speed = {c.name for c in SPEC.checks if c.speed}
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    assert names <= {r["name"] for r in report["results"]}, names
+    for r in report["results"]:
+        if r["name"] in names:
+            assert r["status"] == "failed" and r["points"] == 0 and r["message"], r
+        elif r["name"] in speed and r["status"] == "skipped":
+            assert r["message"], r
+        else:
+            assert r["status"] == "passed" and r["points"] == r["max_points"], r
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_planted_bugs_lose_exactly_their_checks(offline_env, tmp_path):
+    # run seed 1: the hidden check's traces (seed 288545018, the run's first draw) include 5
+    # cases where the lowest rank's divergence is not the first (some are at 497 of the first
+    # 500 seeds, measured)
+    report = grade(planted_copy(SOURCE, tmp_path, "bugs", BUGS, RNG_BUG, ALIAS_BUG), "--speed",
+                   "skip",
+                   "--seed", "1", env=offline_env)
+    print(report["stdout"])
+    assert_fails_exactly(report, BUGS_FAIL)
+    failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
+    assert "expected {'group': '1,2', 'seq': 0" in failed[
+        "diagnose_planted_faults_recorded_on_gloo"], failed
+    for name in ("each_file_system_call", "random_moments"):
+        assert "load_latest" in failed[f"checkpoint_survives_kills_at_{name}"], failed
+    assert "the uninterrupted run had" in failed[
+        "train_resumable_matches_an_uninterrupted_run_on_one_world_size_bitwise"], failed
+
+
+def _tagged(process, tag: str) -> bool:
+    try:
+        return process.environ().get("AUTOGRADER_RUN_TAG") == tag
+    except (psutil.Error, OSError):
+        return False
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_a_hang_a_restarting_sampler_and_a_blocking_async_save(offline_env, tmp_path):
+    """One grading, speed measured, three bugs in three functions (each graded with the
+    reference's helpers): save_checkpoint never returns and starts a process that ignores
+    SIGTERM (the round trip times out once, 15 s, the kill checks fail at once with it); a
+    sampler that restarts at the epoch's start after a restart (all three train_resumable
+    checks, the samples named); an async save that waits for its own writer (its correctness
+    points kept, the speed point lost, or skipped with the reason where a save is too short to
+    tell). diagnose keeps its 8 points, and no process is left behind."""
+    tag = uuid.uuid4().hex
+    start = time.monotonic()
+    report = grade(planted_copy(SOURCE, tmp_path, "hang", HANG, SAMPLER_BUG, BLOCKING_BUG),
+                   env={**offline_env, "AUTOGRADER_RUN_TAG": tag}, timeout=300)
+    seconds = time.monotonic() - start
+    print(report["stdout"])
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    results = {r["name"]: r for r in report["results"]}
+    speed = results.pop("async_save_returns_before_the_save_is_written")
+    assert speed["status"] == "failed" or "too short to tell" in speed["message"], speed
+    assert points_by_function(report) == {"diagnose": 8, "load_latest": 0,
+                                          "save_checkpoint": 0, "train_resumable": 0,
+                                          "async_save": 2, "async_save_speedup": 0}, \
+        report["stdout"]
+    for r in results.values():
+        if r["function"] in ("load_latest", "save_checkpoint"):
+            assert "timed out" in r["message"], r
+    assert "the stated order gives" in results[
+        "train_resumable_reads_each_sample_once_in_the_stated_order"]["message"]
+    assert seconds < 15 + 2 * GRADING_SECONDS, f"grading took {seconds:.0f} s"
+    time.sleep(0.5)
+    left = [p.pid for p in psutil.process_iter() if _tagged(p, tag)]
+    assert not left, f"processes left behind: {left}"
+
+
+# ---------------------------------------------------------------------------- the grader's parts
+
+def test_public_cases_json_is_the_keys():
+    """public_cases.json is what the key's public_cases() gives (write it again with ``python
+    solutions/a9_resilience/answer_key.py``), and covers every kind, None and the tie rules."""
+    K = key()
+    assert json.loads(E.PUBLIC_CASES_PATH.read_text()) == K.public_cases() == E.public_cases()
+    assert E.PUBLIC_CASES_PATH.read_text() == K.public_cases_text()
+    expected = [c["expected"] for c in E.public_cases()["diagnose"]]
+    assert None in expected
+    assert {e["kind"] for e in expected if e} == set(E.KINDS)
+
+
+def test_malformed_traces_raise_and_random_traces_cover_every_kind():
+    import random
+
+    K = key()
+    for why, traces in E.BAD_TRACES:
+        with pytest.raises(ValueError):
+            K.diagnose(traces)
+    kinds = {(d or {}).get("kind") for s in range(3)
+             for d in map(K.diagnose, K.hidden_traces(random.Random(s)))}
+    assert kinds >= {None, "missing", "op", "shape", "dtype"}, kinds
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_planted_faults_recorded_on_gloo_give_the_expected_diagnoses():
+    """The grader's own recording (3 gloo processes, ~3 s): each planted fault's traces are
+    diagnosed as the grader expects by the answer key, and the fault is really in the trace
+    (the clean run has none)."""
+    recorded = faults.recorded()
+    for name, what, want in faults.SCENARIOS:
+        assert key().diagnose(recorded[name]) == want, (name, recorded[name])
+    assert all(len(recorded[name]) == faults.WORLD for name, _, _ in faults.SCENARIOS)
