@@ -198,8 +198,8 @@ def load_traces(directory) -> list[list[dict]]:
 COLOURS = {COMPLETED: "#cfe8cf", STARTED: "#f6c26b", None: "#eeeeee"}
 
 
-def _groups_in(traces) -> list[str]:
-    labels = {e["group"] for trace in traces for e in trace}
+def _group_labels(all_ranks_entries) -> list[str]:
+    labels = {e["group"] for trace in all_ranks_entries for e in trace}
     return sorted(labels, key=lambda g: (-len(g.split(",")), g))
 
 
@@ -210,7 +210,7 @@ def plot_traces(traces, mark=None, ax=None):
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    labels = _groups_in(traces)
+    labels = _group_labels(traces)
     width = {g: 1 + max(e["seq"] for t in traces for e in t if e["group"] == g) for g in labels}
     start, x = {}, 0
     for g in labels:

@@ -106,4 +106,4 @@ def test_plot_traces_draws_every_entry_and_the_mark():
 def test_groups_are_drawn_largest_first(labels):
     traces = [[{"seq": 0, "group": g, "op": "BARRIER", "shapes": [], "dtype": "",
                 "peer": None, "state": "completed"} for g in labels]]
-    assert flight._groups_in(traces) == labels
+    assert flight._group_labels(traces) == labels
