@@ -431,3 +431,16 @@ def test_the_graders_model_is_the_notebooks():
     assert set(R.GRADER_CLASSES) <= set(theirs)
     for name in R.GRADER_CLASSES:
         assert ours[name] == theirs[name], f"ranks.py's {name} differs from the notebook's"
+
+
+def test_collectives_may_go_on_the_pp_group_but_not_the_world():
+    """torch 2.15's pipelining all-reduces on the pp group while a schedule sets up (an
+    independent solution on Schedule1F1B lost train_3d_each_mode_on_its_own_group there): the pp
+    group is the rank's own, like tp and dp; the world group and a foreign group stay wrong."""
+    from autograder.assignments.a8_composition import ranks as a8_ranks
+
+    dims, r = (2, 2, 2), 0  # rank 0: tp [0, 1], dp [0, 2], pp [0, 4]
+    call = lambda ranks: (ranks, "ALLREDUCE", None, [], [])  # noqa: E731
+    assert a8_ranks.violations(dims, r, [call((0, 4)), call((0, 1)), call((0, 2))]) == []
+    assert a8_ranks.violations(dims, r, [call(tuple(range(8)))])
+    assert a8_ranks.violations(dims, r, [call((0, 3))])

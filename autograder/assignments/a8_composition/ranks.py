@@ -176,10 +176,13 @@ def owned(dims: tuple, r: int) -> list[str]:
 
 def violations(dims: tuple, r: int, calls) -> list[str]:
     """What rank ``r`` of a (pp, dp, tp) mesh sent where it should not: a collective on any
-    group but its tp or dp group (or itself alone), a send or receive with any rank but those of
-    its neighbouring stages (same d and t). ``calls``: ``(group's ranks, op, peer, in, out)``."""
+    group but its tp, dp or pp group (or itself alone), a send or receive with any rank but those
+    of its neighbouring stages (same d and t). ``calls``: ``(group's ranks, op, peer, in, out)``.
+    The pp group is allowed because torch's own pipelining all-reduces on it while a schedule
+    sets up (2.15: the inference-mode vote and the point-to-point warm-up)."""
     groups = groups_of(dims, r)
-    allowed = {frozenset(groups["tp"]), frozenset(groups["dp"]), frozenset({r})}
+    allowed = {frozenset(groups["tp"]), frozenset(groups["dp"]), frozenset(groups["pp"]),
+               frozenset({r})}
     pp, dp, tp = dims
     peers = {q for q in (r - dp * tp, r + dp * tp) if 0 <= q < pp * dp * tp}
     bad = []
@@ -192,7 +195,8 @@ def violations(dims: tuple, r: int, calls) -> list[str]:
             name = "the world group" if len(ranks) == pp * dp * tp else "the group"
             article = "an" if op[0] == "A" else "a"
             bad.append(f"{article} {op} on {name} of ranks {list(ranks)} (its tp group is "
-                       f"{list(groups['tp'])}, its dp group {list(groups['dp'])})")
+                       f"{list(groups['tp'])}, its dp group {list(groups['dp'])}, its pp group "
+                       f"{list(groups['pp'])})")
     return list(dict.fromkeys(bad))
 
 
