@@ -6,7 +6,8 @@
 
 :data:`BENCHMARKS` is the registry: a name, the module that holds the benchmark (a
 ``main(argv) -> int``, runnable alone as ``python -m autograder.bench.<module>`` too) and what
-it measures. Adding one (modules 6-8) is one module in this package and one line below.
+it measures. Adding one (modules 6-9; ``a9_resilience`` is module 9's) is one module in this
+package and one line below.
 Shared argument parsing, the machine header and plotting are in :mod:`.common`.
 
 This file stays light (no torch, no grader imports): the listing must work anywhere, and a
@@ -55,6 +56,10 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
               "A7 / lesson 15: a mixture-of-experts layer, expert-parallel on 1, 2, 4 "
               "processes, E = 4, 8, 16, untrained vs balanced router: time, bytes sent per "
               "rank, load imbalance"),
+    Benchmark("a9_resilience", "autograder.bench.a9_resilience",
+              "A9 / lesson 17: torch.distributed.checkpoint save and load time and bytes per "
+              "rank, sync vs async, 3 model sizes on 1, 2, 4 processes; kill-to-first-step "
+              "restart time under torchrun"),
     Benchmark("grading", "autograder.bench.grading",
               "the grader: seconds to grade each assignment's reference and stub, processes "
               "started, slowest checks; table into docs/benchmarks.md"),
