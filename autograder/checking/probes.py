@@ -77,3 +77,19 @@ def error_of(call) -> str:
     except Exception as exc:  # noqa: BLE001 - reported to the grader
         return (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)[:300]
     return "nothing (it returned)"
+
+
+def plain(value):
+    """A returned value as plain data with its type: ``{"t": type name, "v": value}``."""
+    if isinstance(value, bool):
+        return {"t": "bool", "v": value}
+    if type(value) in (int, float, str):
+        return {"t": type(value).__name__, "v": value}
+    if isinstance(value, dict):
+        return {"t": "dict", "v": {str(k): plain(v) for k, v in value.items()},
+                "keys": [type(k).__name__ for k in value]}
+    if isinstance(value, (list, tuple)):
+        return {"t": type(value).__name__, "v": [plain(v) for v in value]}
+    if value is None:
+        return {"t": "None", "v": None}
+    return {"t": f"{type(value).__module__}.{type(value).__qualname__}"}

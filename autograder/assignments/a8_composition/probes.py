@@ -16,7 +16,7 @@ import types
 
 import torch.distributed as dist
 
-from autograder.checking.probes import error_of, reference_helpers, student_function
+from autograder.checking.probes import error_of, plain, reference_helpers, student_function
 from autograder.checking.ranks import run_ranks
 
 from . import ranks
@@ -28,22 +28,6 @@ _KILLED_HINT = ("\nA rank was killed by gloo (no Python error of its own): most 
                 "called one collective with tensors of different sizes, or ranks that should not "
                 "talk did (different stages hold different parameters: is each collective on the "
                 "right group of the mesh?).")
-
-
-def plain(value):
-    """A returned value as plain data with its type: ``{"t": type name, "v": value}``."""
-    if isinstance(value, bool):
-        return {"t": "bool", "v": value}
-    if type(value) in (int, float, str):
-        return {"t": type(value).__name__, "v": value}
-    if isinstance(value, dict):
-        return {"t": "dict", "v": {str(k): plain(v) for k, v in value.items()},
-                "keys": [type(k).__name__ for k in value]}
-    if isinstance(value, (list, tuple)):
-        return {"t": type(value).__name__, "v": [plain(v) for v in value]}
-    if value is None:
-        return {"t": "None", "v": None}
-    return {"t": f"{type(value).__module__}.{type(value).__qualname__}"}
 
 
 def _calls(fn, cases) -> list:

@@ -22,27 +22,13 @@ import time
 
 import torch
 
-from autograder.checking.probes import error_of, student_function
+from autograder.checking.probes import error_of, plain, student_function
 
 from . import expected as E
 from .children import error_text as _error
 from .children import install_hooks, kill_child, run_child
 from .spec import SPEC
 
-def plain(value):
-    """A returned value as plain data with its type: ``{"t": type name, "v": value}``."""
-    if isinstance(value, bool):
-        return {"t": "bool", "v": value}
-    if type(value) in (int, float, str):
-        return {"t": type(value).__name__, "v": value}
-    if isinstance(value, dict):
-        return {"t": "dict", "v": {str(k): plain(v) for k, v in value.items()},
-                "keys": [type(k).__name__ for k in value]}
-    if isinstance(value, (list, tuple)):
-        return {"t": type(value).__name__, "v": [plain(v) for v in value]}
-    if value is None:
-        return {"t": "None", "v": None}
-    return {"t": f"{type(value).__module__}.{type(value).__qualname__}"}
 
 
 # ---------------------------------------------------------------------------- diagnose
