@@ -1,6 +1,6 @@
 """Assignment 9 through the CLI: the reference scores full (with the answer key, and without it
 every public point with the hidden check reserved), the stubs zero, each planted bug loses
-exactly the checks that judge what it breaks, and a save that hangs costs one timeout; and,
+exactly the checks that judge what it breaks, and a hang costs one timeout; and,
 without a grading, the grader's own parts: public_cases.json is the key's, the planted faults
 recorded on gloo give the diagnoses the grader expects, the malformed traces are malformed.
 
@@ -11,10 +11,11 @@ written in place instead of to a temporary file and committed (both kill checks;
 kept), a restart that does not restore the RNG state (train_resumable's bitwise and
 across-world-size checks; the samples read are right), and an async save that aliases the live
 tensors instead of staging a copy (its correctness check; its speed check is not run with
-``--speed skip``). A second grading, ``--only train_resumable``: a sampler that restarts at the
-epoch's start after a restart (all three of its checks), a save_checkpoint that hangs (one
-timeout, no process left) and an async save that waits for its own writer (the speed point), in
-a second grading with the speed check measured.
+``--speed skip``). A second grading, speed measured: a save_checkpoint that hangs, a restart
+of train_resumable that deadlocks (one timeout each, no process left, diagnose keeps its
+points) and an async save that waits for its own writer (the speed point). A third,
+``--only train_resumable``: a sampler that restarts at the epoch's start after a restart (all
+three of its checks).
 
 Tier: both: reference full marks (speed measured, and without the key), stub zero and the
 grader's parts without a grading are quick; the planted bugs, the hang and the recording are
@@ -71,6 +72,15 @@ RNG_BUG = {"train_resumable": ('        torch.set_rng_state(state["rng"])\n',
 SAMPLER_BUG = {"train_resumable": (
     "        epoch, position = divmod(step, per_epoch)\n",
     "        epoch, position = step // per_epoch, (step - start) % per_epoch\n")}
+#: a restart that deadlocks: every rank waits for a mark nobody writes, deaf to SIGTERM (no
+#: collective is pending, so no group timeout ends it: only the launcher's)
+DEADLOCK = {"train_resumable": ('        torch.set_rng_state(state["rng"])\n', """\
+        torch.set_rng_state(state["rng"])
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while not os.path.exists(os.path.join(directory, f"checked-{start}")):
+            time.sleep(0.05)
+""")}
 #: a save that never returns, and leaves a process that ignores SIGTERM behind
 HANG = {"save_checkpoint": ("    directory = Path(directory)\n    directory.mkdir", """\
     import subprocess, sys, time
@@ -157,18 +167,19 @@ def _tagged(process, tag: str) -> bool:
 
 @pytest.mark.full
 @pytest.mark.slow
-def test_a_hang_a_restarting_sampler_and_a_blocking_async_save(offline_env, tmp_path):
+def test_a_hang_a_deadlocked_restart_and_a_blocking_async_save(offline_env, tmp_path):
     """One grading, speed measured, three bugs in three functions (each graded with the
     reference's helpers): save_checkpoint never returns and starts a process that ignores
-    SIGTERM (the round trip times out once, 15 s, the kill checks fail at once with it); a
-    sampler that restarts at the epoch's start after a restart (all three train_resumable
-    checks, the samples named); an async save that waits for its own writer (its correctness
-    points kept, the speed point lost, or skipped with the reason where a save is too short to
-    tell). diagnose keeps its 8 points, and no process is left behind."""
+    SIGTERM (the round trip times out once, 15 s, the kill checks fail at once with it); every
+    rank of train_resumable's first restart waits forever, deaf to SIGTERM (that run is stopped
+    after 60 s, the job after it is not started: its three checks fail, naming the hang); an
+    async save that waits for its own writer (its correctness points kept, the speed point
+    lost, or skipped with the reason where a save is too short to tell). diagnose keeps its 8
+    points, and no process is left behind."""
     tag = uuid.uuid4().hex
     start = time.monotonic()
-    report = grade(planted_copy(SOURCE, tmp_path, "hang", HANG, SAMPLER_BUG, BLOCKING_BUG),
-                   env={**offline_env, "AUTOGRADER_RUN_TAG": tag}, timeout=300)
+    report = grade(planted_copy(SOURCE, tmp_path, "hang", HANG, DEADLOCK, BLOCKING_BUG),
+                   env={**offline_env, "AUTOGRADER_RUN_TAG": tag}, timeout=400)
     seconds = time.monotonic() - start
     print(report["stdout"])
     assert report["returncode"] == 0, report["stdout"] + report["stderr"]
@@ -182,12 +193,32 @@ def test_a_hang_a_restarting_sampler_and_a_blocking_async_save(offline_env, tmp_
     for r in results.values():
         if r["function"] in ("load_latest", "save_checkpoint"):
             assert "timed out" in r["message"], r
-    assert "the stated order gives" in results[
-        "train_resumable_reads_each_sample_once_in_the_stated_order"]["message"]
-    assert seconds < 15 + 2 * GRADING_SECONDS, f"grading took {seconds:.0f} s"
+        if r["function"] == "train_resumable":
+            assert "still running after 60 s" in r["message"] or "not run: run 2" in r[
+                "message"], r
+    assert "not run: run 2" in results[
+        "train_resumable_across_world_sizes_matches_one_process"]["message"]
+    assert seconds < 15 + 60 + 2 * GRADING_SECONDS, f"grading took {seconds:.0f} s"
     time.sleep(0.5)
     left = [p.pid for p in psutil.process_iter() if _tagged(p, tag)]
     assert not left, f"processes left behind: {left}"
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_a_sampler_that_restarts_at_the_epochs_start(offline_env, tmp_path):
+    """After a restart the data start again at the epoch's first batch: every train_resumable
+    check fails, and the sample check names the samples read and the stated order."""
+    report = grade(planted_copy(SOURCE, tmp_path, "sampler", SAMPLER_BUG), "--only",
+                   "train_resumable", "--speed", "skip", env=offline_env)
+    print(report["stdout"])
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    results = {r["name"]: r for r in report["results"]}
+    assert {r["function"] for r in results.values()} == {"train_resumable"}, results
+    assert len(results) == 3 and all(r["status"] == "failed" and r["points"] == 0
+                                     for r in results.values()), report["stdout"]
+    assert "the stated order gives" in results[
+        "train_resumable_reads_each_sample_once_in_the_stated_order"]["message"]
 
 
 # ---------------------------------------------------------------------------- the grader's parts

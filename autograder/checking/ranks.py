@@ -35,6 +35,11 @@ COLLECTIVE_TIMEOUT = 20.0
 LAUNCH_TIMEOUT = 90.0
 
 
+class RanksTimedOut(RuntimeError):
+    """The ranks of a run were still running at its timeout and were stopped: a probe that
+    would start more runs of the same code stops there (a hang costs one timeout)."""
+
+
 def run_ranks(fn, world_size: int, *args, backend: str | None = None,
               timeout: float = LAUNCH_TIMEOUT, collective_timeout: float = COLLECTIVE_TIMEOUT,
               in_process: bool = True) -> list:
@@ -58,7 +63,7 @@ def run_ranks(fn, world_size: int, *args, backend: str | None = None,
         except LaunchError as exc:
             raise RuntimeError(_first_failure(Path(errors), exc, world_size)) from None
         except TimeoutError:
-            raise RuntimeError(
+            raise RanksTimedOut(
                 f"with {world_size} processes, the ranks were still running after {timeout:.0f} s "
                 "and were stopped: does every send have a matching receive on the other rank, "
                 "and does every rank make the same calls in the same order?") from None

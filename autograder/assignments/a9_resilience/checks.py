@@ -259,10 +259,11 @@ def _label(job) -> str:
 
 def _history(job, reply):
     """``{step: (loss, ids of every rank)}``: each step from the last run in which every rank
-    logged it; a failure if a run without a planned kill failed."""
+    logged it; a failure if a run without a planned kill failed, or any run hung."""
     where = f"train_resumable on {_label(job)}"
+    assert "not_run" not in reply, f"{where}: {reply.get('not_run')}"
     for run, (spec, got) in enumerate(zip(job, reply["runs"])):
-        if got["error"] and spec[1] is None:
+        if got["error"] and (spec[1] is None or got.get("timed_out")):
             raise AssertionError(f"{where}: run {run + 1} failed: {got['error']}")
     assert len(reply["runs"]) == len(job) and reply["state"] is not None, \
         f"{where}: the last run did not finish"

@@ -209,17 +209,22 @@ def _read_logs(folder) -> dict:
 def probe_resumable(ns, seed, jobs, helper_cells=None):
     """Each job (a list of ``(world_size, kill)`` runs, ``kill`` = ``(rank, step)`` or None)
     in a fresh checkpoint folder: every run until one ends without a planned kill. Returns per
-    job the runs' errors, the logs and the last run's final parameters (rank 0's)."""
+    job the runs' errors, the logs and the last run's final parameters (rank 0's). A run whose
+    ranks are still running at the timeout (a restart that deadlocks, say) ends the probe: the
+    runs and jobs after it are not started, and say why (a hang costs one timeout)."""
     from autograder.checking.probes import reference_helpers
-    from autograder.checking.ranks import run_ranks
+    from autograder.checking.ranks import RanksTimedOut, run_ranks
 
     from . import ranks
 
     fn = _train_resumable(ns)
     names = list(SPEC.function("train_resumable").helpers)
-    out = []
+    out, hung = [], None
     with reference_helpers(fn, helper_cells, names):
         for job in jobs:
+            if hung is not None:
+                out.append({"runs": [], "logs": {}, "state": None, "not_run": hung})
+                continue
             root = tempfile.mkdtemp(prefix="a9-job-")
             folder, directory = os.path.join(root, "logs"), os.path.join(root, "checkpoints")
             os.mkdir(folder)
@@ -233,8 +238,13 @@ def probe_resumable(ns, seed, jobs, helper_cells=None):
                         runs.append({"world": world, "kill": kill, "error": None})
                         state = result[0]
                     except RuntimeError as exc:
-                        runs.append({"world": world, "kill": kill, "error": str(exc)[-1500:]})
-                        if kill is None:
+                        timed_out = isinstance(exc, RanksTimedOut)
+                        runs.append({"world": world, "kill": kill, "error": str(exc)[-1500:],
+                                     "timed_out": timed_out})
+                        if timed_out:
+                            hung = (f"not run: run {run + 1} of an earlier job (on {world} "
+                                    "ranks) hung, and this one would have waited as long")
+                        if kill is None or timed_out:
                             break
                 out.append({"runs": runs, "logs": _read_logs(folder), "state": state})
             finally:
