@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 import uuid
 
@@ -373,4 +375,33 @@ def test_hanging_function_fails_fast_and_the_rest_is_graded(hang, tmp_path, offl
     assert sum(r["seconds"] for r in failed[1:]) < 1, failed  # not called again
     assert seconds < 45, f"grading took {seconds:.0f} s"
     time.sleep(0.5)
+    assert not leftovers(tag), f"processes left behind: {leftovers(tag)}"
+
+
+def test_killing_the_grader_takes_the_sandbox_and_its_processes_along(tmp_path, offline_env):
+    """The grader SIGKILLed (a test's timeout, a killed kernel) while copy_params never returns
+    and has started a process of its own: the worker, that process and the unshare around
+    them are gone within seconds, not left spinning under init."""
+    spin = REFERENCE["copy_params"].replace('"""\n', '"""\n'
+        "    import subprocess\n"
+        "    subprocess.Popen(['sleep', '4242'])\n"
+        "    while True:\n"
+        "        pass\n", 1)
+    path = make_submission(tmp_path, copy_params=spin)
+    tag = uuid.uuid4().hex
+    grader = subprocess.Popen([sys.executable, "-m", "autograder", "grade", str(path)],
+                              env={**offline_env, "AUTOGRADER_RUN_TAG": tag}, cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not any("sleep 4242" in line for line in leftovers(tag)):
+            assert grader.poll() is None and time.monotonic() < deadline, \
+                "copy_params never started its process"
+            time.sleep(0.2)
+    finally:
+        grader.kill()
+        grader.wait()
+    deadline = time.monotonic() + 10
+    while leftovers(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not leftovers(tag), f"processes left behind: {leftovers(tag)}"

@@ -12,11 +12,13 @@ import importlib
 import io
 import os
 import pickle
+import select
+import signal
 import socket
 import struct
 import sys
+import threading
 import traceback
-
 
 
 def _frame_io(req_fd, rep_fd):
@@ -157,6 +159,26 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _leave_with_the_grader(req_fd: int) -> None:
+    """If the grader dies (a test's timeout, a killed kernel, Ctrl-C twice), nobody would stop
+    student code that never returns: it would spin on, re-parented to init. A daemon thread
+    waits for the request pipe's hang-up (every writer gone) and kills the worker's process
+    group (in a PID namespace the worker is PID 1: the kernel then kills every process in it).
+    It never reads the pipe, so the main loop's frames are untouched."""
+    def watch():
+        poller = select.poll()
+        poller.register(req_fd, 0)  # hang-up and errors are always reported; no data asked for
+        while True:
+            for _, events in poller.poll():
+                if events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                    try:
+                        os.killpg(0, signal.SIGKILL)
+                    finally:
+                        os._exit(1)
+
+    threading.Thread(target=watch, name="leave-with-the-grader", daemon=True).start()
+
+
 class _NoShell:
     """Stands in for IPython's shell so that leftover magics do nothing."""
 
@@ -175,6 +197,7 @@ def main(req_fd: int, rep_fd: int) -> None:
 
         start_fork_server()
     receive, send = _frame_io(req_fd, rep_fd)
+    _leave_with_the_grader(req_fd)
     import torch
 
     from autograder.sandbox.as_loaded import exact_float32
