@@ -129,7 +129,7 @@ def plot(scaling: list[dict], bandwidth: list[dict], out: Path, where: str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .common import header, parser, where as runs_on
+    from .common import introduce, parser
 
     p = parser("a2_ddp", "What Assignment 2's reference solution achieves on this machine: weak "
                          "scaling of train_ddp and allreduce bandwidth by message size.", repeats=5)
@@ -140,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ns = reference_functions()
     max_procs = args.max_procs or default_max_procs()
-    where = runs_on(max(max_procs, args.ring_procs))
-    header(where)
+    where = introduce(max(max_procs, args.ring_procs))
     print()
 
     from ..assignments.a2_ddp.checks import SCALING_BATCH, SCALING_EPOCHS, SCALING_STEPS

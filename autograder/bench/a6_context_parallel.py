@@ -324,7 +324,7 @@ def plot(rows: list[dict], out: Path, where: str, title: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .common import cores, header, parser, where as runs_on
+    from .common import introduce, parser
 
     p = parser("a6_context_parallel",
                "Full attention vs ring attention vs Ulysses: time, peak memory per rank and "
@@ -347,11 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch (900)")
     args = p.parse_args(argv)
 
-    where = runs_on(max(args.procs))
-    header(where)
-    if where.startswith("CPU") and max(args.procs) > cores():
-        print(f"Note: {max(args.procs)} processes on {cores()} core(s) share cores: their times "
-              "include waiting for a core.")
+    where = introduce(max(args.procs))
     rows = measure(args.procs, args.seq, args.methods, causal=args.causal, warmup=args.warmup,
                    repeats=args.repeats, max_gib=args.max_gib, heads=args.heads,
                    head_dim=args.head_dim, timeout=args.timeout)

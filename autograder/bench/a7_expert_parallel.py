@@ -295,7 +295,7 @@ def plot(rows: list[dict], out: Path, where: str, title: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .common import cores, header, parser, where as runs_on
+    from .common import introduce, parser
 
     p = parser("a7_expert_parallel",
                "A mixture-of-experts layer, expert-parallel over 1, 2, 4 processes: time, bytes "
@@ -316,11 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch (900)")
     args = p.parse_args(argv)
 
-    where = runs_on(max(args.procs))
-    header(where)
-    if where.startswith("CPU") and max(args.procs) > cores():
-        print(f"Note: {max(args.procs)} processes on {cores()} core(s) share cores: their times "
-              "include waiting for a core.")
+    where = introduce(max(args.procs))
     rows = measure(args.procs, args.experts, args.routers, count=args.tokens, skew=args.skew,
                    warmup=args.warmup, repeats=args.repeats,
                    capacity_factor=args.capacity, timeout=args.timeout)

@@ -317,7 +317,7 @@ def restart_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .common import OUT, cores, header, parser, where as runs_on
+    from .common import OUT, introduce, parser
 
     p = parser("a9_resilience",
                "Checkpoints with torch.distributed.checkpoint on 1, 2, 4 processes: save and load "
@@ -339,11 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.restart_worker:  # torchrun runs this module as the restarted job's ranks
         return restart_worker(args.restart_worker, args.width, args.depth)
 
-    where = runs_on(max(args.procs))
-    header(f"{where}, standing in for GPUs" if where.startswith("CPU") else where)
-    if where.startswith("CPU") and max(args.procs) > cores():
-        print(f"Note: {max(args.procs)} processes on {cores()} core(s) share cores: their times "
-              "include waiting for a core.")
+    introduce(max(args.procs))
     print(f"Checkpoints in {tempfile.gettempdir()} (local disk; the page cache takes most writes)")
     rows = measure(args.procs, args.widths, depth=args.depth, warmup=args.warmup,
                    repeats=args.repeats, timeout=args.timeout)

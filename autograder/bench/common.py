@@ -46,7 +46,7 @@ def where(processes: int) -> str:
     from course.devices import gpu_count
 
     return ("GPUs on NCCL" if gpu_count() >= processes
-            else "CPU processes on gloo, 1 thread each")
+            else "CPU processes on gloo, 1 thread each, standing in for GPUs")
 
 
 def header(processes_on: str) -> None:
@@ -56,6 +56,17 @@ def header(processes_on: str) -> None:
     print(f"Hardware: {hardware_summary()}")
     print(f"Processes: {processes_on}; {cores()} core(s) for this program; load average now "
           f"{load():.1f} (other programs running take cores away from the processes)")
+
+
+def introduce(processes: int) -> str:
+    """The header for a run of up to ``processes`` ranks, and a note where CPU processes
+    outnumber the cores (their times then include waiting for one); returns :func:`where`."""
+    on = where(processes)
+    header(on)
+    if on.startswith("CPU") and processes > cores():
+        print(f"Note: {processes} processes on {cores()} core(s) share cores: their times "
+              "include waiting for a core.")
+    return on
 
 
 def pyplot():

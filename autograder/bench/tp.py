@@ -201,7 +201,7 @@ def plot(rows: list[dict], out: Path, where: str, tokens: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .common import cores, header, parser, where as runs_on
+    from .common import introduce, parser
 
     p = parser("tp", "Dense vs tensor-parallel (torch's parallelize_module) vs data-parallel "
                      "MLP block: forward+backward time and communicated bytes per hidden size.",
@@ -216,11 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(args.tokens % n for n in args.procs):
         p.error("--tokens must divide by every process count (DP splits the batch evenly)")
 
-    where = runs_on(max(args.procs))
-    header(where)
-    if where.startswith("CPU") and max(args.procs) > cores():
-        print(f"Note: {max(args.procs)} processes on {cores()} core(s) share cores: their times "
-              "include waiting for a core.")
+    where = introduce(max(args.procs))
     rows = measure(args.procs, args.hidden, args.tokens, args.warmup, args.repeats, args.timeout)
     print(f"\nMLP block d -> 4d -> d, GELU, {args.tokens} tokens, float32, forward+backward "
           f"(median of {args.repeats} steps):")
