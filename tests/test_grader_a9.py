@@ -15,7 +15,8 @@ tensors instead of staging a copy (its correctness check; its speed check is not
 of train_resumable that deadlocks (one timeout each, no process left, diagnose keeps its
 points) and an async save that waits for its own writer (the speed point). A third,
 ``--only train_resumable``: a sampler that restarts at the epoch's start after a restart (all
-three of its checks).
+three of its checks). A fourth, ``--only save_checkpoint,load_latest``: a save that never
+commits (the round trip and both kill checks, each naming what it expected).
 
 Tier: both: reference full marks (speed measured, and without the key), stub zero and the
 grader's parts without a grading are quick; the planted bugs, the hang and the recording are
@@ -81,6 +82,10 @@ DEADLOCK = {"train_resumable": ('        torch.set_rng_state(state["rng"])\n', "
         while not os.path.exists(os.path.join(directory, f"checked-{start}")):
             time.sleep(0.05)
 """)}
+#: written, flushed, never committed: nothing ever looks complete
+NEVER_COMMITS = {"save_checkpoint": (
+    '    os.replace(temporary, directory / f"checkpoint-{step:012d}.pt")   # the commit\n',
+    "    pass  # the commit forgotten\n")}
 #: a save that never returns, and leaves a process that ignores SIGTERM behind
 HANG = {"save_checkpoint": ("    directory = Path(directory)\n    directory.mkdir", """\
     import subprocess, sys, time
@@ -219,6 +224,21 @@ def test_a_sampler_that_restarts_at_the_epochs_start(offline_env, tmp_path):
                                      for r in results.values()), report["stdout"]
     assert "the stated order gives" in results[
         "train_resumable_reads_each_sample_once_in_the_stated_order"]["message"]
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_a_save_that_never_commits(offline_env, tmp_path):
+    """The temporary file written and flushed, never renamed: the round trip and both kill
+    checks fail (load_latest finds nothing to load), each saying what it expected."""
+    report = grade(planted_copy(SOURCE, tmp_path, "commit", NEVER_COMMITS), "--only",
+                   "save_checkpoint,load_latest", "--speed", "skip", env=offline_env)
+    print(report["stdout"])
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    assert points_by_function(report) == {"load_latest": 0, "save_checkpoint": 0}, \
+        report["stdout"]
+    for r in report["results"]:
+        assert r["status"] == "failed" and "None" in r["message"], r
 
 
 # ---------------------------------------------------------------------------- the grader's parts

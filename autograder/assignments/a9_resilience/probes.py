@@ -148,7 +148,7 @@ def probe_random_kills(ns, seed, numel, kills=6):
     rng = random.Random(seed)
     try:
         trial = _trial(save, load, seed, os.path.join(root, "measure"), numel, lambda say: None)
-        trials = [dict(trial, kill="none (measured)")]
+        trials = [dict(trial, kill="not killed: the save timed")]
         seconds = trial.get("seconds") or 0.01  # one save of step 2, unkilled
         for i in range(1, kills + 1):
             delay = rng.uniform(0, 1.5 * seconds)
