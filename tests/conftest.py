@@ -5,7 +5,6 @@ format torchvision reads.
 """
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import re
@@ -239,6 +238,37 @@ def assert_only_these_lose_points(report: dict, broken, *, all_of_them: bool = T
             assert all(r["message"] for r in results if r["status"] == "skipped"), results
             assert got[name] == sum(r["max_points"] for r in results
                                     if r["status"] != "skipped"), (name, results)
+
+
+def assert_only_these_checks_fail(report: dict, names, *, skipped_with_reason=()) -> None:
+    """The checks ``names`` score zero with a message; every other check passes with full
+    points, but those in ``skipped_with_reason`` (speed checks under ``--speed skip``), which
+    may instead be a SKIP that says why."""
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    names = set(names)
+    assert names <= {r["name"] for r in report["results"]}, names
+    for r in report["results"]:
+        if r["name"] in names:
+            assert r["status"] == "failed" and r["points"] == 0 and r["message"], r
+        elif r["name"] in skipped_with_reason and r["status"] == "skipped":
+            assert r["message"], r
+        else:
+            assert r["status"] == "passed" and r["points"] == r["max_points"], r
+
+
+def processes_tagged(tag: str) -> list[int]:
+    """The live processes whose environment holds ``AUTOGRADER_RUN_TAG=tag`` (a grading's
+    sandboxes, ranks and what the submission started inherit it): what a grading left behind."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("AUTOGRADER_RUN_TAG") == tag:
+                found.append(process.pid)
+        except (psutil.Error, OSError):  # gone, or not ours to read
+            pass
+    return found
 
 
 # ---------------------------------------------------------------- many seeds, busy machine

@@ -24,9 +24,9 @@ import runpy
 
 import pytest
 
-from conftest import (REPO, assert_grades_full_marks_within, assert_only_these_lose_points,
-                      assert_public_points_without_the_key, assert_stubs_score_zero, grade,
-                      planted_copy, points_by_function)
+from conftest import (REPO, assert_grades_full_marks_within, assert_only_these_checks_fail,
+                      assert_only_these_lose_points, assert_public_points_without_the_key,
+                      assert_stubs_score_zero, grade, planted_copy, points_by_function)
 
 from autograder.assignments.a7_expert_parallel.spec import SPEC
 from autograder.keys import key_path
@@ -122,17 +122,6 @@ ALLOWED_LOSE = {"ExpertParallelMoE_from_moe_attributes_and_value_error",
                 "expert_capacity_fixed_cases_and_value_errors"}
 
 
-def assert_exactly_these_fail(report, lose: set[str]) -> None:
-    """The checks in ``lose`` score zero with a message; every other check scores full."""
-    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    assert lose <= {r["name"] for r in report["results"]}, lose
-    for r in report["results"]:
-        if r["name"] in lose:
-            assert r["status"] == "failed" and r["points"] == 0 and r["message"], r
-        else:
-            assert r["status"] == "passed" and r["points"] == r["max_points"], r
-
-
 def write(tmp_path, name, *bugs):
     return planted_copy(SOURCE, tmp_path, name, *bugs)
 
@@ -177,7 +166,7 @@ def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path)
     report = grade(write(tmp_path, "bugs", BUGS), "--speed", "skip", env=offline_env)
     print(report["stdout"])
     assert_only_these_lose_points(report, BUGS, all_of_them=False)
-    assert_exactly_these_fail(report, BUGS_LOSE)
+    assert_only_these_checks_fail(report, BUGS_LOSE)
     failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
     route = failed["route_fixed_cases_invariants_and_value_error"]
     assert "ties to the lower index" not in route and "weights" in route, failed
@@ -197,7 +186,7 @@ def test_second_bugs_of_expert_parallelism_and_of_training(offline_env, tmp_path
                    "--speed", "skip", env=offline_env)
     print(report["stdout"])
     assert {r["function"] for r in report["results"]} == set(SECOND_BUGS)
-    assert_exactly_these_fail(report, SECOND_LOSE)
+    assert_only_these_checks_fail(report, SECOND_LOSE)
     assert points_by_function(report)["train_ep"] == 0
     failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
     assert "y (vs a per-token loop" in failed["ExpertParallelMoE_forward_against_a_per_token_loop"]
@@ -217,7 +206,7 @@ def test_allowed_code_scores_full_and_bad_inputs_cost_only_their_points(offline_
     nb = write(tmp_path, "allowed", ALLOWED, {"ExpertParallelMoE": ALLOWED_EP_VIEW})
     report = grade(nb, "--only", ",".join(ALLOWED), "--speed", "skip", env=offline_env)
     print(report["stdout"])
-    assert_exactly_these_fail(report, ALLOWED_LOSE)
+    assert_only_these_checks_fail(report, ALLOWED_LOSE)
     failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
     assert "should raise ValueError" in failed[
         "ExpertParallelMoE_from_moe_attributes_and_value_error"], failed

@@ -30,13 +30,12 @@ import time
 import uuid
 from fractions import Fraction
 
-import psutil
 import pytest
 import torch
 
-from conftest import (REPO, assert_grades_full_marks_within,
+from conftest import (REPO, assert_grades_full_marks_within, assert_only_these_checks_fail,
                       assert_public_points_without_the_key, assert_stubs_score_zero, grade,
-                      planted_copy, points_by_function)
+                      planted_copy, points_by_function, processes_tagged)
 
 from autograder.assignments.a8_composition import expected as E
 from autograder.assignments.a8_composition import ranks as R
@@ -180,7 +179,7 @@ def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path)
     failure says what is wrong."""
     report = grade(write(tmp_path, "bugs", BUGS), "--speed", "skip", env=offline_env)
     print(report["stdout"])
-    assert_fails_exactly(report, BUGS_FAIL)
+    assert_only_these_checks_fail(report, BUGS_FAIL)
     failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
     for where in ("public", "hidden_and_random"):
         assert "['activations']" in failed[f"per_rank_memory_exact_bytes_on_{where}_cases"], \
@@ -191,18 +190,6 @@ def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path)
         assert "the best needs exactly that" in failed[f"best_config_{where}_cases"], failed
     for name in ("state_on_pp2_dp2_tp2_8_ranks_matches_one_process", "each_mode_on_its_own_group"):
         assert "made a SEND with rank" in failed[f"train_3d_{name}"], failed  # not its neighbour
-
-
-def assert_fails_exactly(report, names):
-    """Exactly the checks ``names`` fail (with a message, 0 points), every other one passes with
-    full points."""
-    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    assert names <= {r["name"] for r in report["results"]}, names
-    for r in report["results"]:
-        if r["name"] in names:
-            assert r["status"] == "failed" and r["points"] == 0 and r["message"], r
-        else:
-            assert r["status"] == "passed" and r["points"] == r["max_points"], r
 
 
 @pytest.mark.full
@@ -217,7 +204,7 @@ def test_issue_32_bugs_lose_exactly_the_checks_that_judge_them(offline_env, tmp_
     bugs = {f: (old, new) for f, (old, new, _, _) in ISSUE_BUGS.items()}
     report = grade(write(tmp_path, "issue_32", bugs), "--speed", "skip", env=offline_env)
     print(report["stdout"])
-    assert_fails_exactly(report, set().union(*(fails for _, _, fails, _ in ISSUE_BUGS.values())))
+    assert_only_these_checks_fail(report, set().union(*(fails for _, _, fails, _ in ISSUE_BUGS.values())))
     assert points_by_function(report) == {"per_rank_memory": 3, "step_time": 1,
                                           "best_config": 0, "train_3d": 6}, report["stdout"]
     messages = {r["name"]: r["message"] for r in report["results"]}
@@ -238,7 +225,7 @@ def test_train_3d_bugs_lose_the_checks_that_judge_them_and_are_named(bug, offlin
     report = grade(write(tmp_path, bug, *bugs), "--only", "train_3d", "--speed", "skip",
                    env=offline_env)
     print(report["stdout"])
-    assert_fails_exactly(report, fails)
+    assert_only_these_checks_fail(report, fails)
     for r in report["results"]:
         assert r["name"] not in fails or named is None or named in r["message"], r
     if bug == "micro-batch losses not scaled":
@@ -272,15 +259,8 @@ def test_a_pipeline_deadlock_fails_train_3d_at_once_and_the_rest_is_graded(offli
     assert len(failed) == 4 and all(r["status"] == "failed" and r["message"] for r in failed)
     assert seconds < 150, f"grading took {seconds:.0f} s"
     time.sleep(0.5)
-    left = [p.pid for p in psutil.process_iter() if _tagged(p, tag)]
+    left = processes_tagged(tag)
     assert not left, f"processes left behind: {left}"
-
-
-def _tagged(process, tag: str) -> bool:
-    try:
-        return process.environ().get("AUTOGRADER_RUN_TAG") == tag
-    except (psutil.Error, OSError):  # gone, or not ours to read
-        return False
 
 
 # ---------------------------------------------------------------------------- the grader's parts

@@ -28,12 +28,11 @@ import json
 import time
 import uuid
 
-import psutil
 import pytest
 
-from conftest import (REPO, assert_full_marks,
+from conftest import (REPO, assert_full_marks, assert_only_these_checks_fail,
                       assert_public_points_without_the_key, assert_stubs_score_zero, grade,
-                      planted_copy, points_by_function)
+                      planted_copy, points_by_function, processes_tagged)
 
 from autograder.assignments.a9_resilience import expected as E
 from autograder.assignments.a9_resilience import faults
@@ -128,21 +127,6 @@ def test_released_stubs_score_zero_with_readable_messages(offline_env):
     assert_stubs_score_zero(grade(RELEASE, "--speed", "skip", env=offline_env))
 
 
-def assert_fails_exactly(report, names):
-    """Exactly the checks ``names`` fail (0 points, a message); every other one passes, but the
-    speed check, which ``--speed skip`` skips with its reason."""
-    speed = {c.name for c in SPEC.checks if c.speed}
-    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    assert names <= {r["name"] for r in report["results"]}, names
-    for r in report["results"]:
-        if r["name"] in names:
-            assert r["status"] == "failed" and r["points"] == 0 and r["message"], r
-        elif r["name"] in speed and r["status"] == "skipped":
-            assert r["message"], r
-        else:
-            assert r["status"] == "passed" and r["points"] == r["max_points"], r
-
-
 @pytest.mark.full
 @pytest.mark.slow
 def test_planted_bugs_lose_exactly_their_checks(offline_env, tmp_path):
@@ -153,7 +137,8 @@ def test_planted_bugs_lose_exactly_their_checks(offline_env, tmp_path):
                    "skip",
                    "--seed", "1", env=offline_env)
     print(report["stdout"])
-    assert_fails_exactly(report, BUGS_FAIL)
+    assert_only_these_checks_fail(report, BUGS_FAIL,
+                                  skipped_with_reason={c.name for c in SPEC.checks if c.speed})
     failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
     assert "expected {'group': '1,2', 'seq': 0" in failed[
         "diagnose_planted_faults_recorded_on_gloo"], failed
@@ -161,13 +146,6 @@ def test_planted_bugs_lose_exactly_their_checks(offline_env, tmp_path):
         assert "load_latest" in failed[f"checkpoint_survives_kills_at_{name}"], failed
     assert "the uninterrupted run had" in failed[
         "train_resumable_matches_an_uninterrupted_run_on_one_world_size_bitwise"], failed
-
-
-def _tagged(process, tag: str) -> bool:
-    try:
-        return process.environ().get("AUTOGRADER_RUN_TAG") == tag
-    except (psutil.Error, OSError):
-        return False
 
 
 @pytest.mark.full
@@ -205,7 +183,7 @@ def test_a_hang_a_deadlocked_restart_and_a_blocking_async_save(offline_env, tmp_
         "train_resumable_across_world_sizes_matches_one_process"]["message"]
     assert seconds < 15 + 60 + 2 * GRADING_SECONDS, f"grading took {seconds:.0f} s"
     time.sleep(0.5)
-    left = [p.pid for p in psutil.process_iter() if _tagged(p, tag)]
+    left = processes_tagged(tag)
     assert not left, f"processes left behind: {left}"
 
 
