@@ -25,8 +25,10 @@ full.
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -158,11 +160,14 @@ def test_a_hang_a_deadlocked_restart_and_a_blocking_async_save(offline_env, tmp_
     after 60 s, the job after it is not started: its three checks fail, naming the hang); an
     async save that waits for its own writer (its correctness points kept, the speed point
     lost, or skipped with the reason where a save is too short to tell). diagnose keeps its 8
-    points, and no process is left behind."""
+    points, and no process and no file is left behind (the grading's TMPDIR, where every sandbox
+    and its checkpoints live, ends empty)."""
     tag = uuid.uuid4().hex
+    scratch = Path(tempfile.mkdtemp(prefix="a9-"))  # short: the fork server's socket is in it
     start = time.monotonic()
     report = grade(planted_copy(SOURCE, tmp_path, "hang", HANG, DEADLOCK, BLOCKING_BUG),
-                   env={**offline_env, "AUTOGRADER_RUN_TAG": tag}, timeout=400)
+                   env={**offline_env, "AUTOGRADER_RUN_TAG": tag, "TMPDIR": str(scratch)},
+                   timeout=400)
     seconds = time.monotonic() - start
     print(report["stdout"])
     assert report["returncode"] == 0, report["stdout"] + report["stderr"]
@@ -185,6 +190,9 @@ def test_a_hang_a_deadlocked_restart_and_a_blocking_async_save(offline_env, tmp_
     time.sleep(0.5)
     left = processes_tagged(tag)
     assert not left, f"processes left behind: {left}"
+    files = sorted(str(f.relative_to(scratch)) for f in scratch.rglob("*"))
+    assert not files, f"files left behind: {files[:10]}"
+    scratch.rmdir()
 
 
 @pytest.mark.full
