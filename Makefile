@@ -158,7 +158,7 @@ docker-build: docker-variant
 	    --build-arg TORCH_INDEX=$(if $(filter gpu,$(DOCKER_VARIANT)),$(TORCH_GPU_INDEX),$(TORCH_CPU_INDEX)) .
 
 # The student's work folder: the student edition (no solutions/), made once, then theirs. It
-# needs git and nbformat: the project's venv where there is one, else $(PYTHON) with nbformat.
+# needs git and Python 3 (nothing installed: the project's venv where there is one, else $(PYTHON)).
 docker-work:
 	@if [ -z "$$(ls -A $(COURSE_WORK_DIR) 2>/dev/null)" ]; then \
 	    $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m autograder edition $(COURSE_WORK_DIR) --force; \

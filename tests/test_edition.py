@@ -158,6 +158,23 @@ def test_default_build_takes_committed_files_only(tmp_path):
     assert "course/junk.py" in files
 
 
+def test_edition_builds_with_python_and_git_alone(tmp_path):
+    """``make docker-work`` builds the lab's work folder on the host, where the project may not
+    be installed: ``python -S`` (no site-packages: no nbformat, torch or psutil) builds it, and
+    the leak search still reads every reference notebook's solution regions."""
+    out = tmp_path / "work"
+    proc = subprocess.run([sys.executable, "-S", "-m", "autograder", "edition", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (out / A1).exists() and not (out / "solutions").exists()
+    from autograder.integrations.edition import solution_regions
+
+    with_nbformat = [m.group(1) for path in SOURCES for cell in nbformat.read(path, 4).cells
+                     for m in re.finditer(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION",
+                                          cell.source, re.S) if m.group(1).strip()]
+    assert solution_regions() == with_nbformat and len(with_nbformat) >= 60
+
+
 # ---------------------------------------------------------------- self-check still works
 
 def test_reference_is_absent_and_speedup_says_fixed_threshold(edition, edition_python):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import json
 import re
 import shutil
 import subprocess
@@ -107,14 +108,16 @@ def wanted(path: str) -> bool:
 
 
 def solution_regions(repo: Path = REPO) -> list[str]:
-    """The text between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` in every reference notebook."""
-    import nbformat
-
+    """The text between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` in every reference
+    notebook. Read as plain JSON (nbformat 4: a cell's source is a string or a list of lines),
+    so that the edition builds with Python and git alone: ``make docker-work`` runs it on the
+    host, before any venv."""
     regions = []
     for nb_path in sorted((repo / "solutions").glob("**/*.ipynb")):
-        nb = nbformat.read(nb_path, as_version=4)
-        for cell in nb.cells:
-            for m in re.finditer(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", cell.source, re.S):
+        for cell in json.loads(nb_path.read_text(encoding="utf-8"))["cells"]:
+            source = cell.get("source", "")
+            source = source if isinstance(source, str) else "".join(source)
+            for m in re.finditer(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", source, re.S):
                 if m.group(1).strip():
                     regions.append(m.group(1))
     return regions
