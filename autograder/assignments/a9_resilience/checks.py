@@ -182,17 +182,14 @@ def _judge_trials(trials, seed, numel):
         if trial["ended"] == "hung":
             raise AssertionError(f"save_checkpoint did not return within the probe's limit "
                                  f"({kill})")
-        if trial["saved"] or kill.startswith("not killed"):
+        if kill.startswith("not killed"):
             assert trial["saved"], (f"save_checkpoint of step 2 (no kill) failed: "
                                     f"{trial['error'] or trial['ended']}")
-            steps = [2]
+            steps, after = [2], f"after step 2's save returned ({kill})"
+        elif trial["saved"]:
+            steps, after = [2], f"after step 2's save returned before its kill ({kill})"
         else:
             steps = [1, 2]
-        if kill.startswith("not killed"):
-            after = f"after step 2's save returned ({kill})"
-        elif trial["saved"]:
-            after = f"after step 2's save returned before its kill ({kill})"
-        else:
             after = f"after step 2's save was stopped ({kill}; the child {trial['ended']})"
         _judge_load(trial["loaded"], seed, steps, after, numel)
         then = trial["then"]

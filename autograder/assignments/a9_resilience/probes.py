@@ -30,7 +30,6 @@ from .children import install_hooks, kill_child, run_child
 from .spec import SPEC
 
 
-
 # ---------------------------------------------------------------------------- diagnose
 
 def probe_diagnose(ns, cases):
