@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     tools = {"grade-folder": "batch", "merge": "merge", "gradescope": "gradescope",
              "edition": "edition"}
     if argv[:1] and argv[0] in tools:
-        # only the tool asked for: `edition` runs on a host with nothing but nbformat (make
+        # only the tool asked for: `edition` runs on a host with Python alone (make
         # docker-work, before any venv), where the grading tools' imports (psutil, torch) fail
         import importlib
 
