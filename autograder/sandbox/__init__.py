@@ -14,13 +14,18 @@ What the parent guarantees, whatever the student code does:
   starts a fresh worker.
 - The child's environment is scrubbed, its working directory is an empty temporary folder,
   and its output goes to a file of which only a bounded tail is ever read.
-- Where Linux user namespaces are available, the worker also runs in its own user, mount,
-  network and PID namespaces: no network but its own loopback, ``solutions/`` hidden behind an
-  empty mount, every file system read-only but its own work folder, no view of the grader's
-  processes, and every process it started dies with it.
+- Replies are bounded: a frame larger than :data:`framing.MAX_REPLY_BYTES` is refused before it
+  is read (:class:`BadReply`), so the grader's memory stays bounded whatever the child sends.
+- The worker runs without privilege: in bubblewrap's namespaces where it runs
+  (:mod:`.policy`: uid 65534, no capabilities, ``solutions/`` absent, a read-only file system
+  but its scratch folder, its own PID, IPC and network namespaces), with a seccomp filter and
+  ``no_new_privs`` everywhere (:mod:`.confine`, verified from outside), and in a cgroup of its
+  own where the machine allows one (:mod:`.cgroup`). docs/grading.md says what each setting
+  gets; the report's ``Isolation:`` line says what this one got.
 """
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import shutil
@@ -37,9 +42,12 @@ import psutil
 from course.launch import PRELOAD_ENV
 
 from ..registry import REPO
+from . import cgroup as cgroups
 from . import framing
 from .framing import WARM_RANKS_ENV, decode_reply, read_frame, write_frame
-from .isolation import UNSHARE, become_subreaper, kill_tree, namespaces_available, sandbox_user
+from .isolation import (UNSHARE, become_subreaper, check_confinement, isolation_mode, kill_tree,
+                        note_cgroup, sandbox_user)
+from .policy import NEVER as HIDDEN  # parts of the repository graded code never sees
 
 OUTPUT_TAIL_BYTES = 4000          # how much of the child's output a message may quote
 MAX_OUTPUT_FILE_BYTES = 64 << 20  # the child's output file may not grow past this
@@ -103,6 +111,7 @@ class Sandbox:
     cell_errors: dict[str, str] = field(default_factory=dict)
     _proc: subprocess.Popen | None = None
     _spare: set[int] = field(default_factory=set)
+    _cgroup: cgroups.Cgroup | None = None
     _loading: threading.Thread | None = None
 
     # -- lifecycle
@@ -137,21 +146,33 @@ class Sandbox:
             env[WARM_RANKS_ENV] = "1"
             env[PRELOAD_ENV] = ",".join(self.rank_modules)
         cmd = [sys.executable, "-m", "autograder.sandbox.worker", str(req_r), str(rep_w)]
-        if namespaces_available():
+        mode = isolation_mode()
+        if mode == "bwrap":
+            from .policy import bwrap_command
+
+            cmd = [*bwrap_command(work), *cmd]
+        elif mode == "unshare":
             cmd = [*UNSHARE, *cmd]
             env["AUTOGRADER_HIDE"] = os.pathsep.join(
-                str(p) for p in [REPO / "solutions"] if p.exists())
+                str(p) for p in [REPO / n for n in HIDDEN] if p.exists())
             env["AUTOGRADER_WRITABLE"] = str(work)
+        # the kernel's limits sit above the watchdog's (which names what was exceeded): they
+        # stop what polling cannot see or catch in time (shared memory, a fast fork bomb)
+        self._cgroup = cgroups.make(self.limits.max_memory_bytes * 5 // 4 + (256 << 20),
+                                    self.limits.max_processes * 2 + 16)
+        note_cgroup(self._cgroup is not None)
         as_user = {}
         if (user := sandbox_user()) is not None:  # root grading: graded code runs as user
             os.chmod(self._dir, 0o711)  # it may enter, not list nor change, the grader's folder
             os.chown(work, user.pw_uid, user.pw_gid)
             as_user = dict(user=user.pw_uid, group=user.pw_gid, extra_groups=[])
+            if self._cgroup is not None:
+                self._cgroup.allow(user.pw_uid, user.pw_gid)
         with open(self._out_path, "wb") as out:
             self._proc = subprocess.Popen(
                 cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                 pass_fds=(req_r, rep_w), start_new_session=True,
-                preexec_fn=_child_limits, **as_user)
+                preexec_fn=functools.partial(_child_limits, self._cgroup), **as_user)
         os.close(req_r)
         os.close(rep_w)
         self._load_deadline = time.monotonic() + self.limits.load_timeout
@@ -169,6 +190,7 @@ class Sandbox:
         timeout = max(self._load_deadline - time.monotonic(), 0.1)
         writer.join(timeout)
         reply = self._request(None, timeout, "loading your notebook's code")
+        check_confinement(self._proc.pid)
         self.cell_errors = dict(reply.get("cell_errors", {}))
 
     def alive(self) -> bool:
@@ -191,6 +213,9 @@ class Sandbox:
                 pass
             self._proc = None
             shutil.rmtree(self._dir, ignore_errors=True)
+            if self._cgroup is not None:
+                self._cgroup.remove()
+                self._cgroup = None
 
     def __enter__(self):
         return self
@@ -232,13 +257,18 @@ class Sandbox:
         try:
             if msg is not None:
                 write_frame(self._req_w, pickle.dumps(msg))
-            data = read_frame(self._rep_r, deadline, self._watchdog)
+            data = read_frame(self._rep_r, deadline, self._watchdog, framing.MAX_REPLY_BYTES)
             self._watchdog()  # a call that returned fast must not leave limits broken behind
         except TimeoutError:
             self.close()
             raise CallTimeout(f"timed out after {timeout:g} s ({what})") from None
         except (EOFError, BrokenPipeError, OSError):
             code = self._exit_code()
+            if self._cgroup is not None and self._cgroup.oom_killed():
+                self.close()
+                raise LimitExceeded(
+                    f"stopped: your code used more than {self.limits.max_memory_bytes / 2**30:.1f}"
+                    f" GiB of memory, shared memory included ({what})") from None
             tail = self.output_tail(800).strip()
             self.close()
             raise ChildExited(f"the process running your code exited with code {code} "
@@ -246,6 +276,9 @@ class Sandbox:
         except LimitExceeded:
             self.close()
             raise
+        except framing.BadReply as exc:  # a frame past the cap: the rest is never read
+            self.close()
+            raise BadReply(str(exc)) from None
         try:
             reply = decode_reply(data)
         except framing.BadReply as exc:
@@ -295,9 +328,11 @@ def _memory(tree, measure) -> int:
     return total
 
 
-def _child_limits():
-    """Runs in the child before exec: no core dumps, a bounded output file."""
+def _child_limits(group: cgroups.Cgroup | None = None):
+    """Runs in the child before exec: into its cgroup, no core dumps, a bounded output file."""
     import resource
 
+    if group is not None:
+        group.join_self()
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_OUTPUT_FILE_BYTES, MAX_OUTPUT_FILE_BYTES))

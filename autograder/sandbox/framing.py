@@ -10,6 +10,9 @@ import struct
 import time
 
 
+#: The largest reply the grader reads (the largest any probe needs is a few MiB of tensors).
+MAX_REPLY_BYTES = int(os.environ.get("AUTOGRADER_MAX_REPLY_MB", "256")) << 20
+
 #: Set by the parent for assignments whose checks start ranks (spec.rank_modules).
 WARM_RANKS_ENV = "AUTOGRADER_WARM_RANKS"
 
@@ -26,11 +29,23 @@ def write_frame(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-def read_frame(fd: int, deadline: float | None = None, on_wait=None) -> bytes:
-    """Read one frame; ``on_wait`` is called while waiting (the parent's watchdog)."""
+def read_frame(fd: int, deadline: float | None = None, on_wait=None,
+               limit: int | None = None) -> bytes:
+    """Read one frame; ``on_wait`` is called while waiting (the parent's watchdog). A frame
+    announcing more than ``limit`` bytes raises :class:`BadReply` before any of it is read."""
     header = _read_exact(fd, 8, deadline, on_wait)
     (size,) = struct.unpack("<Q", header)
+    if limit is not None and size > limit:
+        raise BadReply(f"your code's result was {_size(size)}, more than the "
+                       f"{_size(limit)} the grader reads from one call; return smaller values")
     return _read_exact(fd, size, deadline, on_wait)
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
 
 
 def _read_exact(fd, size, deadline, on_wait):

@@ -7,6 +7,8 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+from pathlib import Path
 
 import psutil
 
@@ -14,24 +16,75 @@ from ..registry import REPO
 
 
 
-def namespaces_available() -> bool:
-    """True when ``unshare`` can make user/mount/net/pid namespaces here (tested once)."""
-    global _NS_OK
-    if _NS_OK is None:
-        if os.environ.get("AUTOGRADER_ISOLATION", "").lower() == "process" or not shutil.which("unshare"):
-            _NS_OK = False
+#: ``auto`` (default): bubblewrap where it runs, else ``unshare``, else processes only;
+#: ``bwrap`` or ``unshare`` insist on one (grading stops where it does not run); ``process``
+#: turns namespaces off (the tests use it to check what every setting guarantees).
+ISOLATION_ENV = "AUTOGRADER_ISOLATION"
+UNSHARE = ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--ipc",
+           "--uts", "--fork", "--kill-child", "--mount-proc"]
+_MODE: str | None = None
+
+
+def isolation_mode() -> str:
+    """``bwrap``, ``unshare`` or ``process``: how graded code is kept apart here (tested once
+    per grader process by starting ``true`` that way)."""
+    global _MODE
+    if _MODE is None:
+        asked = os.environ.get(ISOLATION_ENV, "auto").lower() or "auto"
+        if asked not in ("auto", "bwrap", "unshare", "process"):
+            raise RuntimeError(f"{ISOLATION_ENV}={asked}: expected auto, bwrap, unshare or process")
+        _MODE = "process"
+        for mode in ("bwrap", "unshare"):
+            if asked not in ("auto", mode):
+                continue
+            if (why := _fails(mode)) is None:
+                _MODE = mode
+                break
+            if mode == "bwrap":
+                _WHY_NOT_BWRAP.append(why)
         else:
-            try:
-                _NS_OK = subprocess.run(
-                    [*UNSHARE, "true"], capture_output=True, timeout=10).returncode == 0
-            except Exception:
-                _NS_OK = False
-    return _NS_OK
+            if asked in ("bwrap", "unshare"):
+                raise RuntimeError(f"{ISOLATION_ENV}={asked}, but `{asked}` cannot make "
+                                   "namespaces on this machine (docs/grading.md, 'Settings')")
+    return _MODE
 
 
-_NS_OK: bool | None = None
-UNSHARE = ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork",
-            "--kill-child", "--mount-proc"]
+#: Why bubblewrap was not used (the report says it): not installed, or its error here.
+_WHY_NOT_BWRAP: list[str] = []
+
+
+def _fails(mode: str) -> str | None:
+    """None when ``mode`` runs here, else why not."""
+    if not shutil.which(mode):
+        return f"{mode} is not installed"
+    if mode == "bwrap":
+        import tempfile
+
+        from .policy import bwrap_command
+
+        with tempfile.TemporaryDirectory(prefix="sandbox-probe-") as scratch:
+            user = sandbox_user()  # bubblewrap runs as the sandbox's user, if one is set
+            if user is not None:
+                os.chown(scratch, user.pw_uid, user.pw_gid)
+            return _error([*bwrap_command(Path(scratch)), sys.executable, "-c", "pass"], user)
+    return _error([*UNSHARE, "true"])
+
+
+def _error(cmd, user=None) -> str | None:
+    as_user = {} if user is None else dict(user=user.pw_uid, group=user.pw_gid, extra_groups=[])
+    try:
+        done = subprocess.run(cmd, capture_output=True, timeout=30, **as_user)
+    except Exception as exc:  # noqa: BLE001 - any reason is reported, none is fatal
+        return f"{cmd[0]}: {exc}"
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.decode(errors="replace").strip().splitlines()
+    return (lines[-1] if lines else f"{cmd[0]} exited with code {done.returncode}")[:200]
+
+
+def namespaces_available() -> bool:
+    """True when graded code runs in namespaces of its own (bubblewrap or ``unshare``)."""
+    return isolation_mode() != "process"
 
 
 #: Run as root with this set to a user's name, the grader starts graded code as that user (its
@@ -66,13 +119,69 @@ def unreadable_to_sandbox(path) -> bool:
 
 
 def isolation_summary() -> str:
-    if namespaces_available():
-        return "child processes in their own user/mount/net/pid namespaces, solutions hidden"
-    user = sandbox_user()
-    if user is not None:
-        hidden = ", solutions unreadable to it" if unreadable_to_sandbox(REPO / "solutions") else ""
-        return f"child processes as user {user.pw_name}{hidden} (no user namespaces here)"
-    return "child processes only (no user namespaces here: same user, network not cut)"
+    """The report's ``Isolation:`` line: what this setting gives graded code, and, loudly,
+    what it lacks (docs/grading.md, 'Settings')."""
+    mode = isolation_mode()
+    limits = ("memory and processes limited by a cgroup (shared memory counted)"
+              if _CGROUPS_SEEN else "memory and processes watched by polling (no cgroup here: "
+              "shared memory and memfds not counted)")
+    if mode == "bwrap":
+        text = ("bubblewrap: uid 65534 without capabilities, seccomp, own user/PID/IPC/net "
+                "namespaces, read-only file system, solutions/ absent; " + limits)
+    elif mode == "unshare":
+        text = ("unshare: own user/PID/IPC/net namespaces, capabilities dropped, seccomp, "
+                "read-only file system, solutions/ hidden under an empty mount (WARNING: "
+                f"not bubblewrap: {'; '.join(_WHY_NOT_BWRAP) or 'not asked for'}; with it "
+                "solutions/ is absent); " + limits)
+    else:
+        user = sandbox_user()
+        if user is not None:
+            hidden = ", solutions unreadable to it" if unreadable_to_sandbox(REPO / "solutions") else ""
+            text = (f"WARNING: no namespaces here ({'; '.join(_WHY_NOT_BWRAP) or 'not asked for'})"
+                    f": child processes as user {user.pw_name}"
+                    f"{hidden}, seccomp, network not cut; " + limits)
+        else:
+            text = (f"WARNING: no namespaces here ({'; '.join(_WHY_NOT_BWRAP) or 'not asked for'})"
+                    ": child processes as the grader's own user, "
+                    "seccomp only, network not cut; " + limits)
+    if CONFINEMENT_PROBLEMS:
+        text += "; WARNING: " + "; ".join(sorted(CONFINEMENT_PROBLEMS))
+    return text
+
+
+#: What the grader saw missing in a worker's /proc/<pid>/status (:func:`check_confinement`).
+CONFINEMENT_PROBLEMS: set[str] = set()
+#: Whether a sandbox of this process ran in a cgroup of its own.
+_CGROUPS_SEEN: list[bool] = []
+
+
+def note_cgroup(used: bool) -> None:
+    if used and not _CGROUPS_SEEN:
+        _CGROUPS_SEEN.append(True)
+
+
+def check_confinement(root_pid: int) -> None:
+    """Read, from outside, the status of the worker started under ``root_pid``: no capability,
+    ``no_new_privs``, a seccomp filter. Anything missing goes into the report's isolation line."""
+    try:
+        procs = [psutil.Process(root_pid), *psutil.Process(root_pid).children(recursive=True)]
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            if p.cmdline()[1:3] != ["-m", "autograder.sandbox.worker"]:
+                continue  # bwrap or unshare, whose arguments name the worker too
+            status = dict(line.split(":", 1) for line in
+                          Path(f"/proc/{p.pid}/status").read_text().splitlines() if ":" in line)
+        except (psutil.Error, OSError):
+            continue
+        if int(status.get("CapEff", "0").strip(), 16):
+            CONFINEMENT_PROBLEMS.add("graded code kept capabilities")
+        if status.get("NoNewPrivs", "0").strip() != "1":
+            CONFINEMENT_PROBLEMS.add("no_new_privs not set")
+        if status.get("Seccomp", "0").strip() != "2":
+            CONFINEMENT_PROBLEMS.add("no seccomp filter (pyseccomp or libseccomp missing)")
+        return
 
 
 #: Set to 1 to grade although graded code could read solutions/ (see :func:`reference_exposed`).
@@ -80,19 +189,22 @@ ALLOW_VISIBLE_REFERENCE = "AUTOGRADER_ALLOW_VISIBLE_REFERENCE"
 
 
 def reference_exposed() -> str | None:
-    """Why grading must not start here, or None: with ``solutions/`` on disk and no namespaces
-    to hide it, graded code could read the reference answers. The grader fails closed: the
-    instructor grades on a host with user namespaces (in Docker: docker/compose.reference.yaml),
+    """Why grading must not start here, or None: with ``solutions/`` on disk and no bubblewrap
+    to leave it out, graded code could find the reference answers (``unshare`` only covers it,
+    and shows the rest of the host read-only). The grader fails closed: the instructor grades
+    with bubblewrap on a host with user namespaces (in Docker: docker/compose.reference.yaml),
     removes solutions/, runs graded code as a user who cannot read it (as root, with
     AUTOGRADER_SANDBOX_USER), or accepts the risk with AUTOGRADER_ALLOW_VISIBLE_REFERENCE=1."""
     solutions = REPO / "solutions"
-    if not solutions.exists() or namespaces_available() or unreadable_to_sandbox(solutions):
+    if not solutions.exists() or isolation_mode() == "bwrap" or unreadable_to_sandbox(solutions):
         return None
     if os.environ.get(ALLOW_VISIBLE_REFERENCE) == "1":
         return None
-    return ("solutions/ is present and this machine cannot hide it from graded code (no user "
-            "namespaces: `unshare --user --mount --pid` is not permitted here), so a submission "
-            "could read the reference answers. Grade on a host with user namespaces (in Docker, "
+    return ("solutions/ is present and graded code would not run without it here (bubblewrap, "
+            "the sandbox that leaves it out, does not run: "
+            f"{'; '.join(_WHY_NOT_BWRAP) or 'AUTOGRADER_ISOLATION says not to'}), so a "
+            "submission could find the reference answers. Install bubblewrap (Debian and Ubuntu: "
+            "apt-get install bubblewrap) on a host with user namespaces (in Docker, "
             "use docker/compose.reference.yaml), grade from a copy without solutions/, or set "
             f"{ALLOW_VISIBLE_REFERENCE}=1 to accept the risk (docs/instructor.md).")
 

@@ -43,14 +43,17 @@ def _frame_io(req_fd, rep_fd):
 
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_NOATIME = 1, 2, 4, 8, 32, 1024
 _MS_NODIRATIME, _MS_BIND, _MS_RELATIME, _MS_STRICTATIME = 2048, 4096, 1 << 21, 1 << 24
-_KEEP_WRITABLE = ("/proc", "/sys", "/dev")
+_KEEP_WRITABLE = ("/proc", "/dev")
 
 
 def _isolate() -> None:
-    """Inside fresh namespaces (we are PID 1 of a new PID namespace made by ``unshare``):
+    """Inside fresh namespaces made by ``unshare`` (the fallback where bubblewrap is missing;
+    we are PID 1 of a new PID namespace):
 
-    - hide the paths named in AUTOGRADER_HIDE (the reference solutions) behind empty mounts,
+    - hide the paths named in AUTOGRADER_HIDE (the reference solutions, .git, ...) behind empty
+      mounts (which :func:`autograder.sandbox.confine.confine` then keeps from being removed),
     - make every file system read-only except our own work folder (and /proc, /sys, /dev),
+      then ``/proc/sys`` read-only too, and a private ``/dev/shm``,
     - bring the loopback interface up, so gloo on 127.0.0.1 works in the empty network.
     """
     libc = ctypes.CDLL(None, use_errno=True)
@@ -69,6 +72,10 @@ def _isolate() -> None:
             if name in options:
                 flags |= bit
         libc.mount(None, target.encode(), None, flags, None)
+    libc.mount(b"none", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=512m,mode=1777")
+    for path in (b"/proc/sys", b"/proc/sysrq-trigger"):  # root outside may write them otherwise
+        libc.mount(path, path, None, _MS_BIND, None)
+        libc.mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
     try:  # SIOCGIFFLAGS / SIOCSIFFLAGS: set IFF_UP on "lo"
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             ifreq = struct.pack("16sH14s", b"lo", 0, b"")
@@ -189,6 +196,10 @@ class _NoShell:
 def main(req_fd: int, rep_fd: int) -> None:
     if os.getpid() == 1:  # we are PID 1 of a fresh PID namespace made by unshare
         _isolate()
+    from autograder.sandbox.confine import confine
+
+    for problem in confine():  # before anything else starts: every process inherits it
+        print(f"autograder sandbox: {problem}", file=sys.stderr)
     from autograder.sandbox.framing import WARM_RANKS_ENV
 
     if os.environ.get(WARM_RANKS_ENV):
