@@ -18,10 +18,12 @@ from pathlib import Path
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 TAG = {PASSED: "PASS", FAILED: "FAIL", SKIPPED: "SKIP"}
 #: Why a speed check SKIPs under ``--speed skip``: nothing was timed, and (unlike a SKIP for
-#: hardware that cannot show a speedup) the timed code was not run either, so no integration
-#: awards its points.
+#: hardware that cannot show a speedup) the timed code was not run either.
 SPEED_NOT_MEASURED = ("speed not measured: this grading run was asked not to time anything "
                       "(--speed skip or AUTOGRADER_SPEED=skip); no points were measured here")
+#: The one rule for a SKIP, in every front end (the CLI, nbgrader's test cells, results.json):
+#: whatever its reason, a check that was not judged earns nothing.
+SKIP_EARNS_NOTHING = "A skipped check earns no points: it was not judged on this machine."
 
 
 @dataclass
@@ -76,12 +78,13 @@ def failure_results(message: str) -> dict:
 
 
 def gradescope(report: Report) -> dict:
-    """Gradescope's results.json: one test per check; skipped checks score 0 of 0 with the reason."""
+    """Gradescope's results.json: one test per check; a skipped check scores 0 of 0 (its points
+    are left out of what could be earned here, as in the report) with the reason."""
     tests = []
     for r in report.results:
         out = r.message if r.status != PASSED else ""
         if r.status == SKIPPED:
-            out = f"Not graded on this machine: {r.message}"
+            out = f"Not graded on this machine: {r.message}\n{SKIP_EARNS_NOTHING}"
         tests.append({"name": f"{r.function}: {r.name}", "score": r.points,
                       "max_score": 0 if r.status == SKIPPED else r.max_points,
                       "status": PASSED if r.status == PASSED else FAILED, "output": out})

@@ -6,7 +6,7 @@ the commands of docs/instructor.md, as they are written there (tests/test_docker
 they are), on a temporary folder:
 
 - grade every assignment's released stub and reference solution: 0 points and full points;
-- the same with the reference mounted: the report must say "solutions hidden", same scores;
+- the same with the reference mounted: the report must say "solutions/ absent" (bubblewrap), same scores;
   without it the hidden checks of every assignment with an answer key are reserved ("checked
   when your instructor grades"), with it (the keys in solutions/) every one of them runs;
 - the image holds no answer key (no ``answer_key.py`` anywhere in it);
@@ -173,7 +173,7 @@ def grade(command: str, grades: Path, env: dict, reference: bool) -> None:
             check(reserved, f"{student}: without the key, its hidden checks are reserved")
         isolation = [line for line in report if line.startswith("Isolation:")]
         if reference:
-            check(any("solutions hidden" in line for line in isolation),
+            check(any("solutions/ absent" in line for line in isolation),
                   f"{student}: {isolation[0] if isolation else 'no Isolation line'}")
 
 

@@ -209,8 +209,7 @@ def fake_grader(monkeypatch):
 
     monkeypatch.setattr(batch, "grade_one", grade_one)
     monkeypatch.setattr(batch, "reference_exposed", lambda: None)
-    for k in ("AUTOGRADER_SPEED", "AUTOGRADER_SKIPPED"):   # the defaults: measure, award
-        monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("AUTOGRADER_SPEED", raising=False)   # the default: measure
     return calls, state
 
 
@@ -355,7 +354,7 @@ def test_unjudged_checks_are_retimed_alone_and_what_stays_unjudged_keeps_one_max
     got = {r["student"]: r for r in grades(out)}
     assert {r["max_score"] for r in got.values()} == {"8"}            # one maximum
     assert [(s, got[s]["score"], got[s]["needs_timing"], got[s]["not_graded_points"])
-            for s in sorted(got)] == [("judged", "8", "", "0"), ("loaded", "8", SPEED_FN, "3"),
+            for s in sorted(got)] == [("judged", "8", "", "0"), ("loaded", "5", SPEED_FN, "3"),
                                       ("passes", "8", "", "0"), ("slow", "5", "", "0")]
     by = {g.student: g for g in rows}
     assert [r["status"] for r in by["passes"].report["results"]] == ["passed"] * 3
@@ -364,11 +363,12 @@ def test_unjudged_checks_are_retimed_alone_and_what_stays_unjudged_keeps_one_max
     notes = " ".join(by["loaded"].report["notes"])
     assert "re-timed alone at the end of the class run: SKIP again" in notes and "0.97x" in notes
     assert retime_banner() in (out / "loaded" / "output.txt").read_text()
-    # the student reads the same: their points, out of the check's maximum, and why
+    # the student reads the same: no points for the SKIP, out of the check's maximum, and why
     results = json.loads((out / "loaded" / "results.json").read_text())
     speed = [t for t in results["tests"] if t["name"].startswith(SPEED_FN)]
-    assert results["score"] == 8 and speed[0]["score"] == speed[0]["max_score"] == 3
-    assert "0.97x" in speed[0]["output"] and "Needs timing: f_speedup" in results["output"]
+    assert results["score"] == 5 and speed[0]["score"] == 0 and speed[0]["max_score"] == 3
+    assert "0.97x" in speed[0]["output"] and "earns no points" in speed[0]["output"]
+    assert "Needs timing: f_speedup" in results["output"]
     assert json.loads((out / "loaded" / "report.json").read_text()) == by["loaded"].report
     # the same rule on a rerun (nothing regraded; the still-unjudged one is re-timed again)
     n = len(calls)
@@ -392,7 +392,7 @@ def test_a_reason_that_stays_word_for_word_is_retimed_once_not_per_student(fake_
     assert [c[0] for c in retimed(calls)] == ["ann"]
     got = grades(tmp_path / "out")
     assert [(r["score"], r["max_score"], r["needs_timing"]) for r in got] == [
-        ("8", "8", SPEED_FN)] * 3
+        ("5", "8", SPEED_FN)] * 3
     report = json.loads((tmp_path / "out" / "cyd" / "report.json").read_text())
     assert any("not re-timed" in n and "when ann's was re-timed" in n for n in report["notes"])
 
@@ -435,14 +435,14 @@ def test_shards_merge_on_the_same_rule(fake_grader, tmp_path, monkeypatch, capsy
     assert (tmp_path / "m" / "grades.csv").read_text() == (
         tmp_path / "one" / "grades.csv").read_text()
     assert "4 of 8 notebook(s) still need a timing" in capsys.readouterr().out
-    # the rule is applied where the grades are counted: AUTOGRADER_SKIPPED=zero at the merge
-    # awards the unjudged check nothing, for every shard alike, out of the same maximum
-    monkeypatch.setenv("AUTOGRADER_SKIPPED", "zero")
+    # the rule is applied where the grades are counted: the merge gives the unjudged check
+    # nothing, for every shard alike, out of the same maximum (there is no switch to award it)
+    monkeypatch.setenv("AUTOGRADER_SKIPPED", "award")
     rows, _ = merge.merge([tmp_path / "s1", tmp_path / "s2"], tmp_path / "m0")
     assert {(g.student, g.score, g.max_score) for g in rows} == {
         (f"st{i}", 5.0 if i % 2 else 8.0, 8.0) for i in range(8)}
     results = json.loads((tmp_path / "m0" / "st1" / "results.json").read_text())
-    assert results["score"] == 5 and "AUTOGRADER_SKIPPED=zero" in results["tests"][-1]["output"]
+    assert results["score"] == 5 and "earns no points" in results["tests"][-1]["output"]
 
 
 # ---------------------------------------------------------------------------------- gradebook
@@ -519,8 +519,9 @@ def test_a_speed_check_this_machine_cannot_judge_is_retimed_then_noted_out_of_on
     reads and passes on): train_batch's speedup check cannot be judged, whatever the load, so
     the outcome is fixed. Two reference copies and the stub: the first copy's check is re-timed
     (its notebook graded again with --only train_batch_speedup and its seed), SKIPs with the
-    same reason, so the second copy's is not re-timed; both keep full marks out of the same
-    maximum as the stub's, with the check named in needs_timing."""
+    same reason, so the second copy's is not re-timed; both get every other point and none of
+    the unjudged check's, out of the same maximum as the stub's, with the check named in
+    needs_timing."""
     from autograder.checking.spec import load_spec
     from autograder.integrations.retime import BANNER
     from test_grader_a1 import RELEASE, SOURCE
@@ -528,8 +529,7 @@ def test_a_speed_check_this_machine_cannot_judge_is_retimed_then_noted_out_of_on
     for k, v in offline_env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    for k in ("AUTOGRADER_SPEED", "AUTOGRADER_SKIPPED"):
-        monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("AUTOGRADER_SPEED", raising=False)
     subs = tmp_path / "subs"
     subs.mkdir()
     for name, source in (("ann", SOURCE), ("bob", SOURCE), ("stub", RELEASE)):
@@ -542,8 +542,9 @@ def test_a_speed_check_this_machine_cannot_judge_is_retimed_then_noted_out_of_on
     got = {r["student"]: r for r in grades(out)}
     assert [(s, float(r["score"]), float(r["max_score"]), r["needs_timing"])
             for s, r in sorted(got.items())] == [
-        ("ann", total, total, speed.function), ("bob", total, total, speed.function),
-        ("stub", 0.0, total, "")], log.getvalue()
+        ("ann", total - speed.points, total, speed.function),
+        ("bob", total - speed.points, total, speed.function), ("stub", 0.0, total, "")], \
+        log.getvalue()
     assert float(got["ann"]["not_graded_points"]) == speed.points
     ann, bob = rows["ann"], rows["bob"]
     first, again = (out / "ann" / "output.txt").read_text().split(BANNER)
@@ -557,7 +558,8 @@ def test_a_speed_check_this_machine_cannot_judge_is_retimed_then_noted_out_of_on
     assert f"re-timing ann: {speed.name} SKIP" in log.getvalue()
     results = json.loads((out / "bob" / "results.json").read_text())
     test = next(t for t in results["tests"] if t["name"].endswith(speed.name))
-    assert results["score"] == total and test["score"] == test["max_score"] == speed.points
+    assert results["score"] == total - speed.points
+    assert test["score"] == 0 and test["max_score"] == speed.points and "CUDA GPUs" in test["output"]
 
 
 # ------------------------------------------------------------------------- cluster launchers
@@ -592,7 +594,8 @@ def test_kubernetes_indexed_job_shards_match_its_completions():
 def test_a_hidden_check_without_the_key_is_neither_timed_again_nor_awarded():
     """Graded without the answer keys (solutions/ absent), a hidden check SKIPs as reserved:
     the class run does not re-time it (it would only skip again), awards it nothing, and says
-    why in needs_timing; a speed check the machine could not judge is still re-timed."""
+    why in needs_timing; a speed check the machine could not judge is still re-timed (and,
+    until judged, earns nothing either)."""
     import types
 
     from autograder.integrations import retime
@@ -607,6 +610,6 @@ def test_a_hidden_check_without_the_key_is_neither_timed_again_nor_awarded():
     row.report["results"].append(speed)
     assert retime.pending([row], "measure") == [(0, [speed])]
     t = gradebook.tally([reserved, speed])
-    assert t.score == 1.0 and t.max_score == 3.0
+    assert t.score == 0.0 and t.max_score == 3.0
     assert "route (hidden: no answer key here)" in t.needs_timing
     assert "answer key" in gradebook.rule_text()

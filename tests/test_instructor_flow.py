@@ -30,6 +30,7 @@ import nbformat
 import pytest
 
 from autograder.checking.spec import load_spec
+from course.devices import gpu_count
 from conftest import REPO, paste_reference_answers, plant_bugs
 from test_grader_a1 import BUGS
 
@@ -51,8 +52,9 @@ CHEAT = ("import autograder\n"
 #: Assignments autograded with ``AUTOGRADER_SPEED=skip``: timing A2-A7's speed checks would
 #: double the flow's time and prove nothing about nbgrader (their speed checks are graded in
 #: tests/test_grader_a*.py); nbgrader awards nothing for a speed check it did not run. A1 keeps
-#: measuring: on a machine without 2 GPUs its speed check is a hardware SKIP, whose points
-#: nbgrader awards (AUTOGRADER_SKIPPED, docs/instructor.md).
+#: measuring: on a machine without 2 GPUs its speed check is a hardware SKIP, which earns
+#: nothing either (a SKIP never earns points; docs/instructor.md), and its cell says so
+#: without an error.
 SPEED_SKIPPED = tuple(a for a in NOTEBOOKS if a != "a1_data_parallel")
 ALICE_WRITES = ("Two devices were slower for me because each step moved shards and gradients "
                 "between them, which cost more than the arithmetic it saved.")
@@ -90,6 +92,22 @@ def graded_cells(path: Path) -> dict[str, str]:
     return {meta(c)["grade_id"]: "".join(o.get("text", "") or str(o.get("data", o.get("evalue")))
                                          for o in c.outputs)[-600:]
             for c in nb.cells if c.cell_type == "code" and meta(c).get("grade")}
+
+
+def skipped_cells(path: Path) -> dict[str, float]:
+    """``{grade_id: points}`` of the autograded test cells of a notebook whose checks all
+    SKIPped: each shows that no points were given and no error (nbgrader would read an error
+    as a failure; the points are 0 all the same)."""
+    skipped = {}
+    for c in nbformat.read(path, as_version=4).cells:
+        if c.cell_type != "code" or not meta(c).get("grade") or meta(c).get("solution"):
+            continue
+        text = "".join(o.get("text", "") for o in c.outputs)
+        if "SKIP  " in text and "PASS  " not in text and "FAIL  " not in text:
+            assert "point(s) not given" in text, text
+            assert not [o for o in c.outputs if o.output_type == "error"], c.outputs
+            skipped[meta(c)["grade_id"]] = float(meta(c)["points"])
+    return skipped
 
 
 def written_cells(assignment: str) -> list:
@@ -185,16 +203,24 @@ def test_exported_scores_per_student(course, assignment):
         rows = {r["student_id"]: r for r in csv.DictReader(f) if r["assignment"] == assignment}
     unrun = sum(c.points for c in load_spec(assignment).checks if c.speed) \
         if assignment in SPEED_SKIPPED else 0.0
-    expected = {"alice": full - unrun}
+    # A1's speed check was measured: where it SKIPped (always without 2 GPUs), 0 points
+    graded = {s: course / "autograded" / s / assignment / NOTEBOOKS[assignment]
+              for s in STUDENTS[assignment]}
+    unjudged = {s: sum(skipped_cells(graded[s]).values()) if assignment not in SPEED_SKIPPED
+                else 0.0 for s in ("alice", "carol") if s in graded}
+    if assignment == "a1_data_parallel" and gpu_count() < 2:
+        assert "check_train_batch_speedup" in skipped_cells(graded["alice"]), graded_cells(
+            graded["alice"])
+    expected = {"alice": full - unrun - unjudged["alice"]}
     if "bob" in STUDENTS[assignment]:
         expected.update(bob=0.0)
     if assignment == "a1_data_parallel":
-        expected.update(carol=full - points["allreduce"], dave=0.0)
+        expected.update(carol=full - points["allreduce"] - unjudged["carol"], dave=0.0)
     assert set(expected) == set(STUDENTS[assignment]) <= set(rows)
     for student, want in expected.items():
         row = rows[student]
         assert float(row["score"]) == pytest.approx(want), (student, row, graded_cells(
-            course / "autograded" / student / assignment / NOTEBOOKS[assignment]))
+            graded[student]))
         assert float(row["max_score"]) == pytest.approx(full + written), (student, row)
 
 

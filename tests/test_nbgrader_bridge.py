@@ -53,20 +53,24 @@ def test_self_check_fails_a_stub_with_a_readable_message(offline_env, monkeypatc
     assert error.traceback == [f"CheckFailed: {error.evalue}"]  # no grader frames shown
 
 
-def test_a_speed_check_left_unrun_earns_nothing_in_nbgrader(monkeypatch):
-    """A SKIP because the hardware cannot show a speedup awards its points by default (the
-    check ran the timed code and found it correct); a SKIP because the run was told not to time
-    anything (``--speed skip``) ran nothing, so it awards none."""
+def test_a_skipped_speed_check_earns_nothing_in_nbgrader(monkeypatch):
+    """A SKIP earns nothing, whatever its reason: the hardware could not show a speedup, or the
+    run was told not to time anything (``--speed skip``); the cell is no error either (its
+    result is 0 points). A1's whole release through the bridge and nbgrader's own scoring:
+    tests/test_skips_earn_nothing.py."""
     from autograder.integrations.nbgrader_plugin import cell_outputs, skipped_points
     from autograder.results import SKIPPED, SPEED_NOT_MEASURED
 
-    monkeypatch.delenv("AUTOGRADER_SKIPPED", raising=False)
+    monkeypatch.setenv("AUTOGRADER_SKIPPED", "award")   # the old switch: no longer read
     hardware = {"function": "f", "status": SKIPPED, "max_points": 2.0, "points": 0.0,
                 "name": "f_speed", "seconds": 0.0, "message": "needs 2 cores"}
     unrun = dict(hardware, message=SPEED_NOT_MEASURED)
-    assert skipped_points(hardware) == 2.0 and skipped_points(unrun) == 0.0
-    (*_, last) = cell_outputs({"results": [unrun]}, "f", 2.0)
-    assert last.output_type == "error"
+    for skipped in (hardware, unrun):
+        assert skipped_points(skipped) == 0.0
+        outputs = cell_outputs({"results": [skipped]}, "f", 2.0)
+        assert [o.output_type for o in outputs] == ["stream", "execute_result"]
+        assert outputs[-1].data["text/plain"] == "0"
+        assert skipped["message"] in outputs[0].text and "not given" in outputs[0].text
 
 
 def test_self_check_sends_cached_helpers_and_torch_ops(offline_env, monkeypatch):

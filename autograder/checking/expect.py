@@ -117,7 +117,22 @@ def assert_close_float32(actual: torch.Tensor, reference64: torch.Tensor,
                          reference32: torch.Tensor, what: str, *, seed: int | None = None,
                          tol: float | None = None) -> None:
     """``actual`` (float32) against the float64 truth, within :func:`float32_tolerance` (or
-    ``tol``, e.g. :func:`float32_tolerance_of_all` for a whole computation)."""
+    ``tol``, e.g. :func:`float32_tolerance_of_all` for a whole computation).
+
+    The comparison is made in float64: a float result of another dtype (float64, float16,
+    bfloat16) is cast **up** to float64, never the truth down to the result's dtype. The truth
+    cast down to an integer dtype is mostly zeros (a LeNet weight below 1 truncates to 0), so
+    int64 zeros would have "matched" a training step that trained nothing; an integer, bool or
+    complex tensor is no result of a float computation and fails on its dtype. No assignment
+    text states float32 for a result judged here, so a float64 one is judged on its values."""
+    where = f" (inputs from seed {seed})" if seed is not None else ""
+    assert type(actual) is torch.Tensor, f"{what} is not a plain torch.Tensor"
+    expected_dtype = reference32.dtype
+    if not actual.is_floating_point():
+        raise AssertionError(
+            f"{what} has dtype {actual.dtype}, expected {expected_dtype} (a floating-point "
+            f"tensor: converting the result to {actual.dtype} loses its values){where}")
     tol = float32_tolerance(reference64, reference32) if tol is None else tol
-    assert_close(actual, reference64.to(actual.dtype) if actual.dtype != reference64.dtype
-                 else reference64, what, rtol=0, atol=tol, seed=seed)
+    if actual.dtype != expected_dtype:
+        what = f"{what} (returned as {actual.dtype}, compared in float64)"
+    assert_close(actual.double(), reference64.double(), what, rtol=0, atol=tol, seed=seed)

@@ -18,7 +18,8 @@ notebooks that have not changed (:mod:`.store`; ``--force`` regrades).
 Checks the machine could not judge (a speed check's SKIP "not graded here") are re-timed at the
 end, one notebook at a time on the whole machine (:mod:`.retime`; not under ``--speed skip``).
 What stays unjudged counts by one rule for every student (:func:`.gradebook.tally`): in
-``max_score`` always, so an assignment has one maximum, and named in ``needs_timing``.
+``max_score`` always, so an assignment has one maximum, for 0 points (a SKIP never earns
+points), and named in ``needs_timing``.
 
 OUT receives ``grades.csv`` (student, assignment, score, max_score, status, needs_timing,
 ...), the class summaries (``checks.csv``, ``scores.png``, ``gradebook.csv``:

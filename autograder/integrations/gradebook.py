@@ -1,14 +1,13 @@
 """What an instructor reads across a class, written next to ``grades.csv``, and the one rule
 for a check this machine could not judge (:func:`tally`):
 
-- a check that SKIPs because the machine could not judge it (too few cores or GPUs, or too
-  loaded: "not graded here") counts in ``max_score`` for every student, so an assignment has
-  one maximum, and is awarded its points: a speed check verifies the timed code is correct
-  before it SKIPs, and a correct submission must not lose points to the machine (nbgrader's
-  bridge does the same; ``AUTOGRADER_SKIPPED=zero`` awards none, there and here);
-- a check not run on purpose (``--speed skip``: :data:`~autograder.results.SPEED_NOT_MEASURED`)
-  counts in ``max_score`` too and earns nothing: nothing was verified;
-- either way ``needs_timing`` names its function, until a run that can time it does so.
+- a check that SKIPs counts in ``max_score`` for every student, so an assignment has one
+  maximum, and **earns nothing**, whatever the reason: the machine could not judge it (too few
+  cores or GPUs, or too loaded: "not graded here"), the run was asked not to time it
+  (``--speed skip``: :data:`~autograder.results.SPEED_NOT_MEASURED`), or it is a hidden check
+  graded without the answer key. A SKIP never earns points anywhere (nbgrader's bridge,
+  Gradescope's ``results.json`` and the CLI count it the same way);
+- ``needs_timing`` names its function, until a run that can judge it does so.
 
 - ``checks.csv``: per assignment and check, how many students passed, failed or were skipped
   on it (the part of an assignment the class found hard);
@@ -30,26 +29,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..keys import is_reserved
-from ..results import SKIPPED, SPEED_NOT_MEASURED, atomic_write
+from ..results import SKIP_EARNS_NOTHING, SKIPPED, SPEED_NOT_MEASURED, atomic_write
 
 GRADED = "graded"
 #: how ``needs_timing`` marks a speed check that the run was asked not to time
 NOT_MEASURED_MARK = " (--speed skip)"
 
 
-def awards_unjudged() -> bool:
-    """The rule's switch, shared with nbgrader's bridge: ``AUTOGRADER_SKIPPED=zero`` awards an
-    unjudged check nothing."""
-    return os.environ.get("AUTOGRADER_SKIPPED", "award") != "zero"
-
-
 def points_of(result: dict) -> float:
-    """The points a check counts for in the class's grade."""
-    if result.get("status") != SKIPPED:
-        return float(result.get("points", 0))
-    if result.get("message") == SPEED_NOT_MEASURED or is_reserved(result) or not awards_unjudged():
+    """The points a check counts for in the class's grade: a SKIP earns nothing."""
+    if result.get("status") == SKIPPED:
         return 0.0
-    return float(result.get("max_points", 0))
+    return float(result.get("points", 0))
 
 
 @dataclass
@@ -85,15 +76,11 @@ def assignment_points(assignment: str | None) -> float:
 
 
 def rule_text() -> str:
-    """The rule as the CLI states it, and each student's results.json."""
-    unjudged = ("awarded its points (its code was verified correct before the SKIP; "
-                "AUTOGRADER_SKIPPED=zero awards none)" if awards_unjudged() else
-                "awarded no points (AUTOGRADER_SKIPPED=zero; unset it to award them, as its "
-                "code was verified correct before the SKIP)")
-    return ("A speed check this machine could not judge (SKIP \"not graded here\": too few "
-            "cores or GPUs, or too loaded even when re-timed alone at the end of the run) counts "
-            f"in max_score for every student and is {unjudged}; one not measured on purpose "
-            "(--speed skip) counts in max_score and earns 0. needs_timing names them: rerun "
+    """The rule as the CLI states it after a class run or a merge."""
+    return ("A check this machine could not judge (SKIP \"not graded here\": too few cores or "
+            "GPUs, or too loaded even when re-timed alone at the end of the run) counts in "
+            "max_score for every student and earns 0, as does one not measured on purpose "
+            "(--speed skip): a SKIP never earns points. needs_timing names them: rerun "
             "grade-folder on hardware that can time them (without --speed skip) and only those "
             "are timed. A hidden check graded without the answer keys (\"hidden: no answer key "
             "here\": solutions/ absent) counts in max_score and earns 0: grade with the keys "
@@ -114,7 +101,8 @@ def rule_lines(rows, shown: int = 10) -> list[str]:
 
 def student_results(report: dict) -> dict:
     """``results.json`` for the student (Gradescope's format, :func:`autograder.results.gradescope`)
-    with the class rule: an unjudged check shows its points out of its maximum and why."""
+    with the class rule: a skipped check shows 0 out of its maximum, why it was not judged, and
+    that a skipped check earns no points."""
     from dataclasses import fields
 
     from ..results import CheckResult, Report, gradescope
@@ -127,11 +115,9 @@ def student_results(report: dict) -> dict:
                             list(report.get("notes", []))))
     for test, r in zip(out["tests"], report["results"]):
         if r.get("status") == SKIPPED:
-            got = points_of(r)
-            test.update(score=got, max_score=float(r.get("max_points", 0)),
-                        status="passed" if got else "failed",
-                        output=f"Not judged on the grading machine: {r.get('message', '')}\n"
-                               f"{rule_text()}")
+            test.update(score=0.0, max_score=float(r.get("max_points", 0)), status="failed",
+                        output=f"Not graded on the grading machine: {r.get('message', '')}\n"
+                               f"{SKIP_EARNS_NOTHING}")
     t = tally(report["results"])
     out["score"] = t.score
     if t.needs_timing:

@@ -53,6 +53,10 @@ if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
     echo "The course needs Python 3.11 or newer: choose Ubuntu 24.04 or later as base image."
     exit 1
 fi
+# bubblewrap: graded code's sandbox where Gradescope's container allows user namespaces (the
+# report's Isolation line says what it got); without it, the unprivileged `grader` user below
+apt-get update && apt-get install -y --no-install-recommends bubblewrap libseccomp2 || \
+    echo "bubblewrap not installed: graded code runs as the grader user without namespaces"
 if ! python3 -m venv "$VENV"; then
     apt-get update
     apt-get install -y --no-install-recommends python3-venv python3-pip

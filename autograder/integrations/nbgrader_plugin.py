@@ -11,7 +11,10 @@ verdict out of that kernel:
   CLI in a fresh process (answer cells placed into the trusted release, student code in the
   sandbox), and writes each ``check("<function>")`` test cell's outputs from that report:
   all checks passed -> plain output (full points); some -> the earned points as the cell's
-  result (nbgrader's partial credit); none -> an error (zero). The student sees the same
+  result (nbgrader's partial credit); a check failed and none passed -> an error (zero). A
+  SKIP earns nothing (:func:`.gradebook.points_of`) but is no error: a cell whose checks were
+  all skipped shows their reasons and ``0`` as its result (nbgrader scores a cell with an
+  error or stderr output zero, and one with a plain output full). The student sees the same
   messages as from the CLI, nothing more.
 """
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_output
 
-from ..results import FAILED, SKIPPED, result_lines
+from ..results import FAILED, SKIP_EARNS_NOTHING, SKIPPED, result_lines
 from .gradebook import points_of
 
 try:
@@ -74,10 +77,8 @@ def grade_notebook(nb, assignment: str | None) -> dict:
 
 
 def skipped_points(result: dict) -> float:
-    """Points for a skipped check in nbgrader, by the class rule (:func:`.gradebook.points_of`):
-    a speedup the hardware cannot measure was verified correct first, so nbgrader (which has
-    no "skipped") awards it unless ``AUTOGRADER_SKIPPED=zero``; a check not timed on purpose
-    (``AUTOGRADER_SPEED=skip``) or reserved for a missing answer key verified nothing: 0."""
+    """Points for a skipped check in nbgrader: none, whatever the reason (the class rule,
+    :func:`.gradebook.points_of`): a SKIP judged nothing on this machine."""
     return points_of(result)
 
 
@@ -88,20 +89,23 @@ def cell_outputs(report: dict, function: str, cell_points: float) -> list:
         return [_error(f"not graded: {why}")]
     lines, earned, top = [], 0.0, 0.0
     for r in results:
-        got = r["points"] if r["status"] != SKIPPED else skipped_points(r)
+        got = points_of(r)
         earned, top = earned + got, top + r["max_points"]
         lines += result_lines(r, got)
-    if any(r["status"] == SKIPPED for r in results):
-        lines.append("SKIP: this machine cannot measure it (see the reason); "
-                     + ("no points given." if os.environ.get("AUTOGRADER_SKIPPED") == "zero"
-                        else "points given because the timed code is correct."))
+    skipped = [r for r in results if r["status"] == SKIPPED]
+    if skipped:
+        lines.append(f"SKIP: {sum(r['max_points'] for r in skipped):g} point(s) not given. "
+                     f"{SKIP_EARNS_NOTHING} The reason is above.")
     text = "\n".join(lines) + "\n"
-    fraction = earned / top if top else 0.0
+    failed = sum(r["status"] == FAILED for r in results)
     if earned >= top:
         return [new_output("stream", name="stdout", text=text)]
-    if earned <= 0:
+    if earned <= 0 and failed:
         return [new_output("stream", name="stdout", text=text),
-                _error(f"{sum(r['status'] == FAILED for r in results)} check(s) of {function} failed")]
+                _error(f"{failed} check(s) of {function} failed")]
+    # partial credit, or nothing earned with nothing failed (all skipped): the cell's points
+    # as its result; never an error, which would read as a failure
+    fraction = earned / top if top else 0.0
     return [new_output("stream", name="stdout", text=text),
             new_output("execute_result", data={"text/plain": f"{fraction * cell_points:g}"},
                        execution_count=None)]
