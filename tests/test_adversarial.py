@@ -111,7 +111,7 @@ def test_exits_inside_functions_lose_only_those_functions(tmp_path, offline_env)
     allreduce = REFERENCE["allreduce"].replace('"""\n', '"""\n    import sys; sys.exit(0)\n', 1)
     split = REFERENCE["split_batch"].replace('"""\n', '"""\n    import os; os._exit(3)\n', 1)
     report = run(make_submission(tmp_path, allreduce=allreduce, split_batch=split), offline_env)
-    assert_grade(report, allreduce=0, split_batch=0)
+    assert_grade(report, allreduce=0, split_batch=0, train_batch=0)  # it runs with its own helpers
     assert "exit(0)" in messages(report, "allreduce")
     assert "exited with code 3" in messages(report, "split_batch")
     # the code printed nothing, so the message shows no output: none of the grader's own
@@ -184,7 +184,7 @@ def allreduce(data):
     pass  # does nothing, hoping every comparison says equal
 '''
     report = run(make_submission(tmp_path, allreduce=patched), offline_env)
-    assert_grade(report, allreduce=0)
+    assert_grade(report, allreduce=0, train_batch=1)  # train_batch uses this allreduce; one device needs none
 
 
 def test_fake_pass_lines_and_json_are_ignored(tmp_path, offline_env):
@@ -202,8 +202,8 @@ def shards_of_sizes(X, y, devices, sizes):
         [part.to(d) for part, d in zip(torch.split(y, sizes), devices)]
 '''
     report = run(make_submission(tmp_path, split_batch=fake), offline_env)
-    assert_grade(report, split_batch=0)
-    assert "Total: 13 / 15" not in report["stdout"] and "Total: 11 / 13" in report["stdout"]
+    assert_grade(report, split_batch=0, train_batch=0)  # train_batch runs with this split_batch
+    assert "Total: 13 / 15" not in report["stdout"] and "Total: 7 / 15" in report["stdout"]
 
 
 def test_results_file_cannot_be_forged(tmp_path, offline_env):
@@ -301,7 +301,8 @@ def test_syntax_error_missing_function_wrong_signature_missing_package(tmp_path,
         copy_params="def copy_params(params):\n    return params\n",
         split_batch="import not_a_real_package_xyz\n" + REFERENCE["split_batch"]),
         offline_env)
-    assert_grade(report, split_batch_weighted=0, allreduce=0, copy_params=0, split_batch=0)
+    assert_grade(report, split_batch_weighted=0, allreduce=0, copy_params=0, split_batch=0,
+                 train_batch=0)
     assert "SyntaxError" in messages(report, "split_batch_weighted")
     assert "allreduce is not defined" in messages(report, "allreduce")
     assert "should take (params, device)" in messages(report, "copy_params")
@@ -369,7 +370,7 @@ def test_hanging_function_fails_fast_and_the_rest_is_graded(hang, tmp_path, offl
     report = grade(make_submission(tmp_path, allreduce=allreduce),
                    env={**offline_env, "AUTOGRADER_RUN_TAG": tag}, timeout=240)
     seconds = time.monotonic() - start
-    assert_grade(report, allreduce=0)
+    assert_grade(report, allreduce=0, train_batch=0)
     failed = [r for r in report["results"] if r["function"] == "allreduce"]
     assert len(failed) == 3 and all("did not return within" in r["message"] for r in failed)
     assert sum(r["seconds"] for r in failed[1:]) < 1, failed  # not called again

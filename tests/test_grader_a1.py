@@ -1,5 +1,7 @@
 """Assignment 1 through the CLI: the reference scores full, the stubs zero, each planted bug
-loses exactly the points of the function it breaks.
+loses exactly the points of the function it breaks, and of train_batch where train_batch calls
+the broken function: it runs with the student's own split_batch and allreduce (no reference
+code enters the sandbox that runs student code, issue 39).
 
 Tier: both: reference full marks and stub zero are quick (one grading each); planted bugs and
 seed repeats are full.
@@ -12,7 +14,7 @@ import nbformat
 import pytest
 
 from conftest import (REPO, assert_full_marks, assert_only_these_lose_points,
-                      assert_stubs_score_zero, grade, plant_bugs)
+                      assert_stubs_score_zero, grade, plant_bugs, points_by_function)
 
 SOURCE = REPO / "solutions" / "a1_data_parallel" / "data_parallel.ipynb"
 RELEASE = REPO / "assignments" / "a1_data_parallel" / "data_parallel.ipynb"
@@ -44,13 +46,29 @@ def test_released_stubs_score_zero_with_readable_messages(offline_env):
     assert_stubs_score_zero(grade(RELEASE, env=offline_env))
 
 
+#: function -> the functions that call it and break with it. train_batch calls the student's
+#: own allreduce: without the copy back, replicas 1, 2, ... keep their own gradients and drift
+#: apart (on one device nothing is copied: that check still passes). The planted split_batch
+#: bug deals the examples out in turn instead of in contiguous runs: train_batch still sums
+#: every example's loss once, so its step stays right.
+ALSO_BREAKS = {"allreduce": ["train_batch"]}
+
+
 @pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.parametrize("function", list(BUGS))
 def test_planted_bug_loses_exactly_that_functions_points(function, offline_env, tmp_path):
     path = tmp_path / "submission.ipynb"
-    nbformat.write(plant_bugs(nbformat.read(SOURCE, as_version=4), {function: BUGS[function]}), path)
-    assert_only_these_lose_points(grade(path, env=offline_env), [function])
+    nbformat.write(plant_bugs(nbformat.read(SOURCE, as_version=4), {function: BUGS[function]}),
+                   path)
+    report = grade(path, env=offline_env)
+    callers = ALSO_BREAKS.get(function, [])
+    assert_only_these_lose_points(report, [function, *callers], all_of_them=not callers)
+    assert points_by_function(report)[function] == 0, report["results"]
+    for caller in callers:  # the caller's failures say which of its helpers is wrong
+        failed = [r for r in report["results"]
+                  if r["function"] == caller and r["status"] == "failed"]
+        assert failed and all(f"your {function}" in r["message"] for r in failed), failed
 
 
 @pytest.mark.full

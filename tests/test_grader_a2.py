@@ -2,11 +2,12 @@
 loses exactly the points of the function it breaks.
 
 Each grading run starts dozens of processes (every rank imports torch), so the bugs in the
-three functions that call no other are planted together in one run: ``train_ddp`` uses
-``make_dataloader`` and may use ``average_gradients``, and keeps its full points with those
-bugs, because the grader runs it with the reference versions of those helpers. The bug in
-``train_ddp`` itself is graded with ``--only train_ddp``, and the sabotage of the speed check's
-reference and a plain ring written from the text with ``--only ring_allreduce``.
+three functions that call no other are planted together in one run: ``train_ddp`` reads its
+data with the student's own ``make_dataloader`` (and may use their ``average_gradients``): no
+reference code enters a sandbox that runs student code (issue 39), so the ``make_dataloader``
+bug costs ``train_ddp``'s points too, with a message that names it. The bug in ``train_ddp``
+itself is graded with ``--only train_ddp``, and the sabotage of the speed check's reference and
+a plain ring written from the text with ``--only ring_allreduce``.
 
 Tier: both: reference full marks and stub zero are quick (one grading each); planted bugs are
 full.
@@ -77,10 +78,14 @@ def test_released_stubs_score_zero_with_readable_messages(offline_env):
 @pytest.mark.slow
 def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path):
     """The three functions that call no other, broken together, in one whole grading run: each
-    loses its points, and train_ddp, which calls make_dataloader and may call
-    average_gradients, keeps all of its own (its check uses the reference helpers)."""
+    loses its points, and so does train_ddp, which reads its data with the student's own
+    make_dataloader (its shards now overlap): its messages say that make_dataloader is wrong.
+    The reference's train_ddp uses DDP, not average_gradients: that bug costs it nothing."""
     leaves = ("average_gradients", "ring_allreduce", "make_dataloader")
-    assert_only_these_lose_points(grade(with_bugs(tmp_path, *leaves), env=offline_env), leaves)
+    report = grade(with_bugs(tmp_path, *leaves), env=offline_env)
+    assert_only_these_lose_points(report, [*leaves, "train_ddp"])
+    failed = [r for r in report["results"] if r["function"] == "train_ddp"]
+    assert all("your own make_dataloader, and it is wrong" in r["message"] for r in failed), failed
 
 
 @pytest.mark.full

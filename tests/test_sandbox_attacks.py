@@ -11,7 +11,7 @@ left on the host after the grading. docs/grading.md's threat model lists what ea
 stands for. The loose-comparison and self-timing classes are in tests/test_loose_comparisons.py
 and tests/test_a1_a2_hardening.py.
 
-Tier: full (about a minute: eleven gradings of A1's cheap functions).
+Tier: full (about a minute and a half: fourteen gradings of A1's cheap functions).
 """
 from __future__ import annotations
 
@@ -150,8 +150,28 @@ RESOURCES = {
 }
 
 
-@pytest.mark.parametrize("attacks", [THEFT, ESCAPE, TAMPER, KERNEL, RESOURCES],
-                         ids=["theft", "escape", "tamper", "kernel", "resources"])
+HELPERS = {"split_batch", "allreduce"}  # train_batch runs with the submission's own
+
+
+def gradings() -> list[dict]:
+    """Every attack above, packed into as few gradings as fairness allows: a function at most
+    once per grading, and train_batch never beside an attacked helper of its own (it would
+    fail through the helper, hiding whether its own attack got through)."""
+    groups: list[dict] = []
+    for name, (fn, code) in {**THEFT, **ESCAPE, **TAMPER, **KERNEL, **RESOURCES}.items():
+        for group in groups:
+            taken = {f for f, _ in group.values()}
+            if fn in taken or (fn == "train_batch" and taken & HELPERS) or (
+                    fn in HELPERS and "train_batch" in taken):
+                continue
+            group[name] = (fn, code)
+            break
+        else:
+            groups.append({name: (fn, code)})
+    return groups
+
+
+@pytest.mark.parametrize("attacks", gradings(), ids=lambda g: next(iter(g)).replace(" ", "-"))
 def test_each_attack_is_refused_and_scores_zero(tmp_path, offline_env, attacks):
     before = _fingerprint()
     answers = {fn: attacked(fn, code) for fn, code in attacks.values()}

@@ -7,11 +7,20 @@ included); watches on given groups (:func:`traffic_on_groups`) or on every group
 (:func:`calls_on_every_group`, which notes point-to-point sends and receives too). A watch is
 :func:`course.collectives.watch_group`: torch's pre-hook where the release has one (2.14+), with
 its op names made the same on every release, and the same records made by wrapping elsewhere.
+
+A third layer sits below Python: torch's flight recorder, which notes in C++ every collective
+that reaches a backend, on any group, however it was called (a pre-hook sits on the
+``ProcessGroup``, so a call on the group's backend itself escapes it), and no point-to-point
+call on gloo. :func:`collectives_counted` reads it with ``every_group=True``
+(:func:`flight_recorder_mark`, :func:`flight_recorder_collectives`), through the functions this
+module found when it was imported: A2's ranks import it in their fork server, before any
+student code exists in them.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import pickle
 
 import torch.distributed as dist
 
@@ -31,13 +40,19 @@ HOOKED_COLLECTIVES = {"BROADCAST", "ALLREDUCE", "REDUCE", "ALLGATHER", "REDUCE_S
 
 
 @contextlib.contextmanager
-def collectives_counted(fn):
+def collectives_counted(fn, *, every_group: bool = False):
     """While inside, every collective call is counted in the yielded dict (what -> calls).
 
     Two layers: python wrappers around torch.distributed's collective functions (also where
     ``fn``'s globals hold them under their own names), and a pre-hook on the default process
     group, which sees every collective issued on it however it was reached (functional
-    collectives included); point-to-point sends and receives are not counted."""
+    collectives included); point-to-point sends and receives are not counted.
+
+    With ``every_group``, the pre-hook sits on every process group of this rank instead (those
+    that exist and those created inside: ``process group OP`` on the default group, ``OP on
+    another process group (ranks ...)`` elsewhere), and what torch's flight recorder noted
+    inside is added when the block ends (``NAME (torch's flight recorder, process group N)``):
+    a collective on a group's backend, which no pre-hook sees, included."""
     import torch.distributed.distributed_c10d as c10d
 
     counts: dict[str, int] = {}
@@ -65,11 +80,25 @@ def collectives_counted(fn):
             patched.append((g, name, value))
             g[name] = by_identity[id(value)]
 
-    def seen(op, inputs, outputs, peer):
-        if op in HOOKED_COLLECTIVES:
-            counts[f"process group {op}"] = counts.get(f"process group {op}", 0) + 1
+    def note(key):
+        counts[key] = counts.get(key, 0) + 1
 
-    watching = watch_group(c10d._get_default_group(), seen)
+    default = c10d._get_default_group()
+
+    def seen_on(group):
+        if group is default:
+            label = "process group {}"
+        else:
+            ranks = ", ".join(str(r) for r in dist.get_process_group_ranks(group))
+            label = f"{{}} on another process group (ranks {ranks})"
+        return lambda op, inputs, outputs, peer: note(label.format(op)) \
+            if op in HOOKED_COLLECTIVES else None
+
+    if every_group:
+        watching = _watching_every_group(seen_on)
+        recorded, mark = flight_recorder_collectives, flight_recorder_mark()
+    else:
+        watching = watch_group(default, seen_on(default))
     try:
         with watching:
             yield counts
@@ -79,6 +108,62 @@ def collectives_counted(fn):
                 space[name] = old
             else:
                 setattr(space, name, old)
+        if every_group:
+            for key, calls in recorded(mark).items():
+                counts[key] = counts.get(key, 0) + calls
+
+
+# ---------------------------------------------------------------- torch's flight recorder
+
+def _recorders() -> tuple:
+    """torch's flight recorders' dump functions (gloo's and the rest, NCCL's), where this torch
+    has them."""
+    import torch._C._distributed_c10d as c
+
+    found = (getattr(c, "_dump_fr_trace", None), getattr(c, "_dump_nccl_trace", None))
+    return tuple(f for f in found if callable(f))
+
+
+#: As this module found them when it was imported (see the module's docstring).
+_RECORDERS, _LOADS = _recorders(), pickle.loads
+
+
+def _entries(dump) -> list:
+    try:
+        data = _LOADS(dump(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+        return [e for e in data.get("entries", []) if isinstance(e, dict)]
+    except Exception:  # noqa: BLE001 - a recorder this build or backend cannot dump
+        return []
+
+
+def _last_id(entries) -> int:
+    return max((int(e.get("record_id", -1)) for e in entries), default=-1)
+
+
+def flight_recorder_mark() -> tuple[int, ...]:
+    """Where each flight recorder stands now: the last record id it holds (-1: none)."""
+    return tuple(_last_id(_entries(dump)) for dump in _RECORDERS)
+
+
+def flight_recorder_collectives(mark: tuple[int, ...]) -> dict[str, int]:
+    """The collectives torch's flight recorders noted since ``mark`` (:func:`flight_recorder_mark`),
+    by name and group: ``{"gloo:all_reduce (torch's flight recorder, process group 1)": 2}``.
+    Point-to-point calls are left out (gloo does not record them; NCCL marks them, and
+    records a batch of them as one ``coalesced`` entry). A recorder that holds less than it did
+    at ``mark`` was emptied meanwhile: that is noted too."""
+    counts: dict[str, int] = {}
+    for dump, last in zip(_RECORDERS, mark):
+        entries = _entries(dump)
+        if last >= 0 and _last_id(entries) < last:
+            counts["torch's flight recorder emptied (its record of the calls removed)"] = 1
+        for e in entries:
+            name = str(e.get("profiling_name", ""))
+            p2p = e.get("is_p2p") or name.endswith(":coalesced")
+            if int(e.get("record_id", -1)) <= last or p2p:
+                continue
+            key = f"{name} (torch's flight recorder, process group {e.get('pg_id')})"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 @contextlib.contextmanager
@@ -159,6 +244,28 @@ def _groups_created_inside(watch):
 
 
 @contextlib.contextmanager
+def _watching_every_group(seen_for):
+    """While inside, ``watch_group(group, seen_for(group))`` on every process group of this
+    rank: those that exist, and those created inside (:func:`_groups_created_inside`)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    hooked: list = []
+    stack = contextlib.ExitStack()
+
+    def watch(group):
+        if group is None or any(g is group for g in hooked):
+            return
+        stack.enter_context(watch_group(group, seen_for(group)))
+        hooked.append(group)
+
+    with stack:
+        for group in list(c10d._world.pg_map):
+            watch(group)
+        with _groups_created_inside(watch):
+            yield
+
+
+@contextlib.contextmanager
 def calls_on_every_group(*, by_group: bool = False, log: list | None = None):
     """While inside, every call on any process group of this rank (those that exist, and those
     created inside, by ``new_group``, ``split_group`` or a device mesh) is noted in the yielded
@@ -170,15 +277,9 @@ def calls_on_every_group(*, by_group: bool = False, log: list | None = None):
     and RECV, the other rank (None for the others, or a receive from any source): A8 judges
     which group each call went to. ``log``: the list to note into (a new one if None; A8's
     ranks pass one that also reports a call to a wrong group as it happens)."""
-    import torch.distributed.distributed_c10d as c10d
-
     log = [] if log is None else log
-    hooked: list = []
-    stack = contextlib.ExitStack()
 
-    def watch(group):
-        if group is None or any(g is group for g in hooked):
-            return
+    def seen_for(group):
         ranks = tuple(dist.get_process_group_ranks(group)) if by_group else ()
 
         def seen(op, inputs, outputs, root):
@@ -188,11 +289,7 @@ def calls_on_every_group(*, by_group: bool = False, log: list | None = None):
                 return
             peer = ranks[root] if op in ("SEND", "RECV") and 0 <= root < len(ranks) else None
             log.append((ranks, op, peer, *elements))
-        stack.enter_context(watch_group(group, seen))
-        hooked.append(group)
+        return seen
 
-    with stack:
-        for group in list(c10d._world.pg_map):
-            watch(group)
-        with _groups_created_inside(watch):
-            yield log
+    with _watching_every_group(seen_for):
+        yield log

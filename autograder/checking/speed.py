@@ -157,14 +157,17 @@ def judge_rounds(one_round, *, what: str, fixed_threshold: float, reference_mini
 
 
 def timed_rounds(student, assignment: str, servers, one_round, verify, *, helper_cells=None,
-                 **judging) -> None:
+                 reference_only=(), **judging) -> None:
     """Start ``servers`` ([(key, function, setup, world size, args, backend, warm-up
     commands)]: :class:`~.ranks.RankServer` s) in the student's sandbox and in a reference
     sandbox; judge ``one_round(i, student_call, reference_call)`` in interleaved rounds
     (:func:`judge_rounds`, with ``judging``); then stop the student's and ``verify`` what their
     ranks returned ({key: ranks' results}), even when the speed is not judged here (a SKIP is
     raised after that). ``helper_cells``: the reference's cells for the graded functions the
-    student's function calls (the reference sandbox has its own)."""
+    student's function calls (the reference sandbox has its own). ``reference_only``: keys of
+    servers that run the baseline (:func:`against_trusted_baseline`): started in the reference's
+    sandbox alone where there is one, so ``verify`` gets no results for them; in the student
+    edition, in the student's."""
     import pytest
 
     from .ranks import probe_server_run, probe_server_start, probe_server_stop
@@ -172,8 +175,10 @@ def timed_rounds(student, assignment: str, servers, one_round, verify, *, helper
 
     spec = load_spec(assignment)
     with reference_sandbox(assignment) as reference:
-        for call, cells in ((student.call, helper_cells), (reference, None)):
-            for key, function, setup, world_size, args, backend, warmup in servers:
+        mine = [s for s in servers if reference is None or s[0] not in reference_only]
+        sides = ((student.call, helper_cells, mine), (reference, None, servers))
+        for call, cells, started in sides:
+            for key, function, setup, world_size, args, backend, warmup in started:
                 if call is None:  # the student edition: no reference to compare with
                     break
                 f = spec.function(function)
@@ -186,6 +191,6 @@ def timed_rounds(student, assignment: str, servers, one_round, verify, *, helper
                          has_reference=reference is not None, **judging)
         except pytest.skip.Exception as exc:  # the reference cannot show it: still verify
             skipped = exc
-        verify({key: student.call(probe_server_stop, key) for key, *_ in servers})
+        verify({key: student.call(probe_server_stop, key) for key, *_ in mine})
     if skipped is not None:
         raise skipped

@@ -4,6 +4,9 @@ Graded functions (see the notebook for their specifications): ``copy_params``, `
 ``split_batch``, ``split_batch_weighted``, ``train_batch``, and the speedup of ``train_batch``
 on two GPUs. Each ``test_*`` runs here, makes fresh random inputs, has a probe (``probes.py``)
 call the student's function in the sandbox, and judges what came back. Points: ``spec.py``.
+Nothing of the reference solution enters the student's sandbox: ``train_batch`` runs with the
+student's own ``split_batch`` and ``allreduce``, and the speedup's baseline (one GPU) is the
+reference's, timed in a sandbox of its own.
 """
 from __future__ import annotations
 
@@ -12,9 +15,8 @@ import torch
 from autograder.checking.expect import (assert_close, assert_close_float32, devices_for,
                                         fresh_generator, sequence, tensor)
 from autograder.checking.harness import skip_unless
-from autograder.checking.reference import reference_cells
-from autograder.checking.speed import (in_turn, judge_rounds, median, reference_sandbox,
-                                       timed_calls)
+from autograder.checking.speed import (against_trusted_baseline, judge_rounds, median,
+                                       reference_sandbox, timed_calls)
 from autograder.checking.training import FunctionalModel, sgd_steps
 from course.devices import gpu_count
 from course.models import lenet, lenet_params, loss
@@ -168,10 +170,10 @@ def test_split_batch_weighted_rounding(student):
 
 
 # ---------------------------------------------------------------------------- train_batch
-# train_batch is graded on its own: where the reference solution is at hand (the instructor's
-# repository), its split_batch and allreduce stand in for the student's, so a bug there costs
-# the points of that function only. The student edition has no reference and uses the
-# student's own.
+# train_batch runs with the student's own split_batch and allreduce (the text says it calls
+# them), in the instructor's grading as in the student's self-check: no reference code ever
+# enters a sandbox that runs student code. A bug there costs train_batch's points too, and its
+# failure says which helper is wrong (:func:`_helpers_note`).
 
 def expected_sgd_step(X, y, params, lr, dtype=torch.float64):
     """One SGD step of the trusted LeNet on the whole batch, on one device, in ``dtype``."""
@@ -180,7 +182,45 @@ def expected_sgd_step(X, y, params, lr, dtype=torch.float64):
     return [p.detach() for p in model.params]
 
 
+HELPERS = SPEC.function("train_batch").helpers
+
+
 def _check_train(student, batch, n):
+    """train_batch's step on ``n`` devices against one SGD step on the whole batch; a failure
+    says which of the student's helpers is wrong too, if any."""
+    hung = [h for h in HELPERS if h in student.hung]
+    assert not hung, (f"train_batch calls your {' and '.join(hung)}, which did not return in "
+                      "its own checks: train_batch was not run")
+    try:
+        _judge_train(student, batch, n)
+    except AssertionError as exc:
+        if str(exc).startswith("timed out"):
+            raise
+        raise AssertionError(f"{exc}\n{_helpers_note(student)}") from None
+
+
+def _helpers_note(student) -> str:
+    """What the student's split_batch and allreduce do on a small case (once per grading)."""
+    def helpers_verdict():
+        devices, wrong = devices_for(3), []
+        for name, check in (
+                ("split_batch", lambda: _check_split(student, "split_batch", 7, devices,
+                                                     even_sizes(7, 3))),
+                ("allreduce", lambda: _check_allreduce(student, [((4, 5), d) for d in devices],
+                                                       torch.float32))):
+            try:
+                check()
+            except AssertionError as exc:
+                wrong.append(f"your {name}: {str(exc).splitlines()[0].rstrip(': ')}")
+        if not wrong:
+            return ("(train_batch runs with your own split_batch and allreduce; both gave "
+                    "right results on a small case here)")
+        return ("train_batch runs with your own split_batch and allreduce, and this is wrong "
+                "with " + "; ".join(wrong) + " (fix that first; its own checks say more)")
+    return student.shared("train_batch's helpers", helpers_verdict)
+
+
+def _judge_train(student, batch, n):
     g, seed = fresh_generator()
     params = lenet_params(scale=0.1, generator=g)
     X = torch.rand(batch, 1, 28, 28, generator=g)
@@ -189,8 +229,7 @@ def _check_train(student, batch, n):
     expected = expected_sgd_step(X, y, params, lr)
     expected32 = expected_sgd_step(X, y, params, lr, torch.float32)
     devices = devices_for(n)
-    r = student.call(probe_train_batch, X, y, params, devices, lr,
-                     reference_cells(ASSIGNMENT, ["setup", *SPEC.function("train_batch").helpers]))
+    r = student.call(probe_train_batch, X, y, params, devices, lr)
     for d, replica in enumerate(r["replicas"]):
         for i, (desc, want, want32) in enumerate(zip(replica, expected, expected32)):
             t = tensor(desc, f"replica {d} parameter {i}")
@@ -226,11 +265,19 @@ SPEEDUP_BATCH = 1024
 SPEEDUP_STEPS = 5
 
 
-def two_vs_one(call) -> float:
-    """One round's speedup: seconds of train_batch on 1 GPU / on 2 GPUs (median of 3 each)."""
-    one = timed_calls(call, probe_train_steps, 1, SPEEDUP_BATCH, SPEEDUP_STEPS, 0, repeats=3)
-    two = timed_calls(call, probe_train_steps, 2, SPEEDUP_BATCH, SPEEDUP_STEPS, 0, repeats=3)
-    return median(one) / median(two)
+def seconds_on(call, gpus: int) -> float:
+    """Seconds of SPEEDUP_STEPS train_batch steps on ``gpus`` GPUs (median of 3), timed here."""
+    return median(timed_calls(call, probe_train_steps, gpus, SPEEDUP_BATCH, SPEEDUP_STEPS, 0,
+                              repeats=3))
+
+
+def speedup_round(i, student_call, reference_call):
+    """One round: the reference's seconds on 1 GPU (in its own sandbox, which never ran student
+    code) over each side's on 2. A student's speedup is never measured against their own
+    one-GPU run, which they could pad; in the student edition, with no reference, it is (a
+    self-check against a fixed threshold)."""
+    return against_trusted_baseline(i, lambda call: seconds_on(call, 1),
+                                    lambda call: seconds_on(call, 2), student_call, reference_call)
 
 
 @graded
@@ -241,8 +288,8 @@ def test_train_batch_speedup_two_gpus(student):
                 f"machine has {gpu_count()}: CPU stand-ins share one CPU in one process, so "
                 "splitting a batch over them cannot be faster")
     with reference_sandbox(ASSIGNMENT) as reference:
-        judge_rounds(lambda i: in_turn(i, two_vs_one, student.call, reference),
-                     what="train_batch on 2 GPUs vs 1 at batch 1024",
+        judge_rounds(lambda i: speedup_round(i, student.call, reference),
+                     what="train_batch on 2 GPUs vs the reference solution's on 1 at batch 1024",
                      fixed_threshold=1.3, reference_minimum=1.1,
                      has_reference=reference is not None)
     _check_train(student, SPEEDUP_BATCH // 8, 2)  # the code that was timed is right in this run

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from autograder.checking.probes import describe, reference_helpers, student_function
+from autograder.checking.probes import describe, student_function
 from course.models import lenet_params
 
 from .spec import SPEC
@@ -33,12 +33,12 @@ def probe_split(ns, name, X, y, devices, *extra):
     return {"out": describe(out), "inputs_after": [describe(X), describe(y)]}
 
 
-def probe_train_batch(ns, X, y, params, devices, lr, helper_cells):
+def probe_train_batch(ns, X, y, params, devices, lr):
+    """The student's train_batch, with the student's own split_batch and allreduce."""
     fn = student_function(ns, SPEC.function("train_batch"))
     devs = [torch.device(d) for d in devices]
     replicas = [[p.detach().clone().to(d).requires_grad_() for p in params] for d in devs]
-    with reference_helpers(fn, helper_cells, SPEC.function("train_batch").helpers):
-        fn(X.to(devs[0]), y.to(devs[0]), replicas, devs, lr)
+    fn(X.to(devs[0]), y.to(devs[0]), replicas, devs, lr)
     grads = [[p.grad for p in r] for r in replicas]
     grads_zero = all(gr is None or (type(gr) is torch.Tensor and not gr.any()) for r in grads for gr in r)
     return {"replicas": [[describe(p) for p in r] for r in replicas], "grads_zero": grads_zero}

@@ -7,13 +7,19 @@ the student's function on N fresh processes (what each runs is in ``ranks.py``) 
 what came back; the check computes the expectation itself (one-process SGD in float64, sums)
 from the same seeds, and judges. Points and call timeouts: ``spec.py``.
 
+``train_ddp`` runs with the student's own ``make_dataloader`` (and ``average_gradients``, if it
+calls it): nothing of the reference solution enters a sandbox that runs student code. A failure
+says when ``make_dataloader`` is wrong too.
+
 The speed checks keep ranks up (:class:`~autograder.checking.ranks.RankServer`) on both sides
 (:func:`~autograder.checking.speed.timed_rounds`):
 the student's, in the student's sandbox, and the reference solution's, in a sandbox of its own
 (:func:`~autograder.checking.speed.reference_sandbox`) whose processes never ran student code.
 The grader times each command from its own process, in rounds that alternate between the two
 (:func:`~autograder.checking.speed.judge_rounds`), then checks that the timed code's results
-were right.
+were right. Each speedup's baseline (``dist.all_reduce``; one process training) is timed in the
+reference's ranks only (:func:`~autograder.checking.speed.against_trusted_baseline`): student
+code cannot slow it to inflate its own speedup.
 """
 from __future__ import annotations
 
@@ -25,8 +31,7 @@ from autograder.checking.expect import (assert_close, assert_close_float32, fres
                                         float32_tolerance_of_all, sequence, tensor)
 from autograder.checking.harness import skip_unless
 from autograder.checking.ranks import probe_server_run
-from autograder.checking.reference import reference_cells
-from autograder.checking.speed import against_trusted_baseline, in_turn, timed, timed_rounds
+from autograder.checking.speed import against_trusted_baseline, timed, timed_rounds
 from course import FULL_RUN
 from course.devices import gpu_count
 
@@ -38,7 +43,6 @@ from .spec import SPEC
 
 graded = SPEC.graded
 ASSIGNMENT = SPEC.assignment
-TRAIN_HELPERS = ["setup", *SPEC.function("train_ddp").helpers]
 
 
 def can_show_speedup() -> tuple[bool, str]:
@@ -120,7 +124,8 @@ def _judge_ring_result(r, world_size, seed, shape, dtype, what):
     used = {k: v for k, v in r["collectives"].items() if v}
     assert not used, (
         f"{what}: your ring_allreduce called collective operations ({', '.join(sorted(used))}); "
-        "use only point-to-point operations (send, recv, isend, irecv, batch_isend_irecv)")
+        "use only point-to-point operations (send, recv, isend, irecv, batch_isend_irecv), on "
+        "the default process group or any other (they are counted on every group)")
     t = tensor(r["tensor"], f"{what}: the tensor after ring_allreduce")
     expected = sum(ring_input(seed, rank, shape, dtype) for rank in range(world_size))
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == F32 else dict(rtol=1e-12, atol=1e-12)
@@ -258,16 +263,43 @@ def scaling_args(world_size: int, seed: int) -> tuple:
             SCALING_BATCH, SCALING_LR)
 
 
+def _with_helpers_named(student, run):
+    """``run()``; where it fails, the message adds that train_ddp ran with the student's own
+    make_dataloader and average_gradients, and what is wrong with make_dataloader if anything
+    is (checked on a small case: one call, no processes)."""
+    if "make_dataloader" in student.hung:
+        raise AssertionError("train_ddp reads its data with your make_dataloader, which did not "
+                             "return in its own checks: train_ddp was not run")
+    try:
+        return run()
+    except AssertionError as exc:
+        if str(exc).startswith("timed out"):
+            raise
+        raise AssertionError(f"{exc}\n{_helpers_note(student)}") from None
+
+
+def _helpers_note(student) -> str:
+    def helpers_verdict():
+        _, seed = fresh_generator()
+        try:
+            check_loaders(student, [(24, 3, 4, seed, [0, 1])])
+        except AssertionError as exc:
+            return ("train_ddp runs with your own make_dataloader, and it is wrong: "
+                    f"{str(exc).splitlines()[0].rstrip(': ')} (fix it first; its checks say more)")
+        return ("(train_ddp runs with your own make_dataloader and average_gradients, if it "
+                "calls it; your make_dataloader passed a small case here)")
+    return student.shared("train_ddp's helpers", helpers_verdict)
+
+
 def _train_two_processes(student) -> int:
     """train_ddp on 2 processes, judged (shared by two checks); returns its seed."""
     def run():
         _, seed = fresh_generator()
         args = scaling_args(2, seed)
-        reply = student.call(probe_train_ddp, 2, *args, reference_cells(ASSIGNMENT, TRAIN_HELPERS),
-                             scaling_backend())
+        reply = student.call(probe_train_ddp, 2, *args, scaling_backend())
         judge_training(reply["ranks"], 2, *args, "train_ddp on 2 processes")
         return seed
-    return student.shared("train2", run)
+    return student.shared("train2", lambda: _with_helpers_named(student, run))
 
 
 @graded
@@ -277,17 +309,32 @@ def test_train_ddp_two_processes_match_one(student):
 
 @graded
 def test_train_ddp_three_processes_match_one(student):
-    _, seed = fresh_generator()
-    args = ("mlp", seed, 3 * TRAIN_BATCH * TRAIN_STEPS, TRAIN_EPOCHS, TRAIN_BATCH, TRAIN_LR)
-    reply = student.call(probe_train_ddp, 3, *args, reference_cells(ASSIGNMENT, TRAIN_HELPERS))
-    judge_training(reply["ranks"], 3, *args, "train_ddp on 3 processes")
+    def run():
+        _, seed = fresh_generator()
+        args = ("mlp", seed, 3 * TRAIN_BATCH * TRAIN_STEPS, TRAIN_EPOCHS, TRAIN_BATCH, TRAIN_LR)
+        reply = student.call(probe_train_ddp, 3, *args)
+        judge_training(reply["ranks"], 3, *args, "train_ddp on 3 processes")
+    _with_helpers_named(student, run)
 
 
-def two_vs_one(call) -> float:
-    """One side of a round: examples per second of train_ddp on 2 processes / on 1 (each
-    process trains as many examples), timed here."""
-    one = timed(call, probe_server_run, "train1", "train")
-    return 2 * one / timed(call, probe_server_run, "train2", "train")
+def one_process_seconds(call) -> float:
+    """Seconds of train_ddp on 1 process (the reference's, in its own sandbox), timed here."""
+    return timed(call, probe_server_run, "train1", "train")
+
+
+def seconds_per_process(call) -> float:
+    """Seconds of train_ddp on 2 processes, each training as many examples as the one process
+    above, per process: examples per second on 1 over this is the weak-scaling speedup."""
+    return timed(call, probe_server_run, "train2", "train") / 2
+
+
+def weak_scaling(i, student_call, reference_call):
+    """One round: the reference's one-process time (timed in its sandbox, which never ran
+    student code) over each side's two-process time per process. A student's speedup is never
+    measured against their own one-process run, which they could pad; in the student edition,
+    with no reference, it is (a self-check against a fixed threshold)."""
+    return against_trusted_baseline(i, one_process_seconds, seconds_per_process, student_call,
+                                    reference_call)
 
 
 @graded
@@ -299,17 +346,17 @@ def test_train_ddp_weak_scaling_two_processes(student):
     servers = [(f"train{w}", "train_ddp", train_server, w, scaling_args(w, seed),
                 scaling_backend(), ["warmup"]) for w in (1, 2)]
 
-    def verify(results):  # the timed runs trained right
+    def verify(results):  # the timed runs trained right (the one process: in the student edition)
         for w in (1, 2):
-            judge_training(results[f"train{w}"], w, *scaling_args(w, seed),
-                           f"the timed train_ddp on {w} process(es)")
+            if f"train{w}" in results:
+                judge_training(results[f"train{w}"], w, *scaling_args(w, seed),
+                               f"the timed train_ddp on {w} process(es)")
 
     where = "2 GPUs" if gpu_count() >= 2 else "2 CPU processes, one thread each,"
     # below 1.25x for the reference, 80% of it would not even ask 2 processes to beat 1: the
     # machine (cores taken by other work) cannot show weak scaling (SKIP)
-    timed_rounds(student, ASSIGNMENT, servers,
-                 lambda i, mine, ref: in_turn(i, two_vs_one, mine, ref), verify,
-                 helper_cells=reference_cells(ASSIGNMENT, TRAIN_HELPERS),
-                 what=f"train_ddp weak scaling: examples per second on {where} vs 1 "
-                      f"({SCALING_BATCH} examples per process per step)",
+    timed_rounds(student, ASSIGNMENT, servers, weak_scaling, verify, reference_only=("train1",),
+                 what=f"train_ddp weak scaling: examples per second on {where} vs the "
+                      f"reference solution's on 1 ({SCALING_BATCH} examples per process per "
+                      "step)",
                  fixed_threshold=1.3, reference_minimum=1.25, max_rounds=9)

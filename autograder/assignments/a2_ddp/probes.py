@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from autograder.checking.probes import describe, reference_helpers, student_function
+from autograder.checking.probes import describe, student_function
 from autograder.checking.ranks import run_ranks
 
 from .ranks import rank_average_gradients, rank_ring, rank_train_ddp
@@ -26,12 +26,11 @@ def probe_ring(ns, world_size, seed, cases):
     return {"ranks": run_ranks(rank_ring, world_size, fn, seed, cases)}
 
 
-def probe_train_ddp(ns, world_size, kind, seed, n, epochs, batch_size, lr, helper_cells,
-                    backend=None):
+def probe_train_ddp(ns, world_size, kind, seed, n, epochs, batch_size, lr, backend=None):
+    """The student's train_ddp on ``world_size`` processes, with the student's own helpers."""
     fn = student_function(ns, SPEC.function("train_ddp"))
-    with reference_helpers(fn, helper_cells, SPEC.function("train_ddp").helpers):
-        return {"ranks": run_ranks(rank_train_ddp, world_size, fn, kind, seed, n, epochs,
-                                   batch_size, lr, backend=backend)}
+    return {"ranks": run_ranks(rank_train_ddp, world_size, fn, kind, seed, n, epochs,
+                               batch_size, lr, backend=backend)}
 
 
 class IndexedDataset(torch.utils.data.Dataset):

@@ -6,7 +6,10 @@ Trusted harness code: a probe in the sandbox starts these on N processes, one-sh
 (``*_server``: the ``setup`` of a :class:`~autograder.checking.ranks.RankServer`, whose
 commands the grader times from its own process). They set the stage, call the student's
 function and return plain data for the grader to judge. Every rank imports this module, so it
-imports nothing heavier than torch (no pytest, no nbformat).
+imports nothing heavier than torch (no pytest, no nbformat). The ranks' fork server imports it
+before the submission is loaded (the spec's ``rank_modules``): what it binds at import (the
+yardstick ``dist.all_reduce``, torch's flight recorder in
+:mod:`autograder.checking.collectives`) is torch's own, whatever student code does later.
 """
 from __future__ import annotations
 
@@ -21,8 +24,9 @@ from autograder.checking.collectives import collectives_counted
 from autograder.checking.probes import describe
 from course.launch import device_for
 
-# dist.all_reduce as this trusted module found it when a rank imported it, before any student
-# code ran there: the bandwidth check's yardstick, whatever a submission rebinds later.
+# dist.all_reduce as this trusted module found it when the ranks' fork server imported it,
+# before any student code existed there: the bandwidth check's yardstick, whatever a
+# submission rebinds later.
 _ALL_REDUCE = dist.all_reduce
 
 
@@ -145,12 +149,13 @@ def ring_input(seed: int, rank: int, shape, dtype) -> torch.Tensor:
 
 
 def rank_ring(rank, world_size, fn, seed, cases):
-    """Each case: this rank's tensor, the student's ring_allreduce on it, collectives counted."""
+    """Each case: this rank's tensor, the student's ring_allreduce on it, collectives counted
+    on every process group (those the ring makes included) and by torch's flight recorder."""
     device = device_for(rank)
     out = []
     for i, (shape, dtype) in enumerate(cases):
         t = ring_input(seed + i, rank, shape, dtype).to(device)
-        with collectives_counted(fn) as counts:
+        with collectives_counted(fn, every_group=True) as counts:
             returned = fn(t)
         _sync(device)
         out.append({"tensor": describe(t), "returned_none": returned is None, "collectives": counts})
@@ -185,10 +190,10 @@ def fresh_large_blocks() -> bool:
 
 def ring_server(rank, world_size, fn, seed, sizes):
     """Commands ``ring-N`` (the ring ``fn`` on this rank's float32 tensor of N elements,
-    restored first, collectives counted) and ``all_reduce-N`` (the same with dist.all_reduce,
-    on a tensor of its own), for each N in ``sizes``; ``result``: the ring's tensors after its
-    last call, in ``sizes`` order, and the collectives it called. Large blocks come fresh
-    from the system (:func:`fresh_large_blocks`)."""
+    restored first, collectives counted as :func:`rank_ring` counts them) and
+    ``all_reduce-N`` (the same with dist.all_reduce, on a tensor of its own), for each N in
+    ``sizes``; ``result``: the ring's tensors after its last call, in ``sizes`` order, and the
+    collectives it called. Large blocks come fresh from the system (:func:`fresh_large_blocks`)."""
     fresh_large_blocks()
     device = device_for(rank)
     originals = [ring_input(seed, rank, (n,), torch.float32).to(device) for n in sizes]
@@ -198,7 +203,7 @@ def ring_server(rank, world_size, fn, seed, sizes):
 
     def run_ring(i):
         ring[i].copy_(originals[i])
-        with collectives_counted(fn) as c:
+        with collectives_counted(fn, every_group=True) as c:
             fn(ring[i])
             _sync(device)
         for k, v in c.items():
