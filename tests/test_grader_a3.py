@@ -55,7 +55,8 @@ def test_released_stubs_score_zero_with_readable_messages(offline_env):
     assert_stubs_score_zero(grade(RELEASE, env=offline_env, timeout=540))
 
 
-# Every check grades one function with the reference versions of the others, so a grading run
+# A function is graded with the submission's own versions of the others it calls (as in the
+# student's self-check), and no reference answer calls another graded function, so a grading run
 # with several bugs planted is, for each function, the run with its bug alone. Two runs with
 # disjoint sets: a check that leaked another function's bug would cost points in the run where
 # its own function is correct (model_parallel_forward and gpipe_schedule are correct in both).

@@ -4,9 +4,9 @@ the rule it breaks (a case that raises costs the checks of that case only).
 
 Grading runs start processes (every rank imports torch), so the bugs in the four functions
 that run in the sandbox itself, and one in ``apply_fsdp``, are planted together in one run;
-``BucketedDDP`` and ``ShardedOptimizer`` keep their full points there although
-``assign_buckets`` and ``shard_bounds`` are broken, because the grader runs them with the
-reference's versions. The classes' own bugs (and more in ``apply_fsdp``) are graded with
+the classes run with the submission's own ``assign_buckets`` and ``shard_bounds`` (as in the
+student's self-check), so those two bugs also fail the classes' checks that they break, and
+only those (:data:`HELPER_BUGS_FAIL`). The classes' own bugs (and more in ``apply_fsdp``) are graded with
 ``--only``, at most one bug per function in each run, beside the byte counts, which keep their
 points; each names the one check it must fail, and every other check of the run passes. A
 correct but slow ``BucketedDDP`` loses its speed check only (or none, where the machine cannot
@@ -63,6 +63,17 @@ LEAF_BUGS = {
     "apply_fsdp": ("        fully_shard(block, mesh=mesh, mp_policy=policy,\n"
                    "                    reshard_after_forward=block is not holding[-1])\n",
                    "        pass\n"),
+}
+#: The classes' checks that LEAF_BUGS' helpers break: the classes run with the submission's own
+#: assign_buckets and shard_bounds (each confirmed by a grading with that helper's bug alone)
+HELPER_BUGS_FAIL = {
+    # forward-order buckets: parameter 0 is in bucket 0, whose gradients come last
+    "BucketedDDP": {"bucketed_ddp_first_all_reduce_before_parameter_0_gradient"},
+    # floor chunks: each rank's shard misses elements, so the steps and the state are wrong
+    "ShardedOptimizer": {"sharded_optimizer_matches_one_process",
+                         "sharded_optimizer_state_bytes_per_rank"},
+    "ShardedLinear": {"sharded_linear_outputs_and_gradients_match_dense",
+                      "sharded_linear_stores_its_shard_initialised_like_nn_linear"},
 }
 # The classes' bugs, runs with at most one bug in each class: (function, bug, the checks it fails:
 # those of the rules it breaks); a bug is one (old, new) or a list of them, applied in turn
@@ -305,6 +316,8 @@ def test_the_ddp_cases_show_what_their_checks_need():
 @pytest.mark.slow
 def test_planted_bugs_in_the_sandboxed_functions_lose_their_points_and_no_other(offline_env,
                                                                                tmp_path):
+    """Each planted function loses points; the classes that call the broken helpers lose
+    exactly the checks those helpers break (:data:`HELPER_BUGS_FAIL`), and nothing else."""
     report = grade(with_bugs(tmp_path, LEAF_BUGS), "--speed", "skip", env=offline_env)
     assert report["returncode"] == 0, report["stdout"] + report["stderr"]
     got = points_by_function(report)
@@ -322,8 +335,13 @@ def test_planted_bugs_in_the_sandboxed_functions_lose_their_points_and_no_other(
             failed = status[values_check[function]]
             assert failed["status"] == "failed" and failed["message"], failed
             assert got[function] < full[function], report["stdout"]
-        else:  # BucketedDDP and ShardedOptimizer run with the reference's helpers
-            assert got[function] == full[function], (function, report["stdout"])
+        else:  # the classes lose the checks that their (own, broken) helpers break, no other
+            for r in report["results"]:
+                if r["function"] != function or r["status"] == "skipped":
+                    continue
+                broken = r["name"] in HELPER_BUGS_FAIL[function]
+                assert r["status"] == ("failed" if broken else "passed"), (r, report["stdout"])
+                assert r["message"] or not broken, r
     for check in ("model_state_bytes_matches_the_optimizer_state_of_real_runs",
                   "comm_bytes_per_step_matches_the_traffic_of_real_runs"):
         assert status[check]["status"] == "failed" and status[check]["message"], status[check]
@@ -333,10 +351,12 @@ def test_planted_bugs_in_the_sandboxed_functions_lose_their_points_and_no_other(
 @pytest.mark.slow
 def test_without_the_key_bucketed_ddp_is_judged_against_the_buckets_it_ran_with(offline_env,
                                                                                tmp_path):
-    """No key, a broken assign_buckets (forward order): BucketedDDP runs with the reference's
-    assign_buckets (at hand in this repository) and its all-reduces are judged against that
-    helper's buckets, asked in the sandbox, not the submission's: the class keeps every point,
-    assign_buckets loses its public value check, and its hidden one is reserved."""
+    """No key, a broken assign_buckets (forward order): BucketedDDP runs with the submission's
+    own assign_buckets (the reference's, at hand in this repository, never reaches the sandbox),
+    as with the key, and its all-reduces are judged against that helper's buckets, asked in the
+    sandbox: assign_buckets loses its public value check (its hidden one is reserved), and the
+    class only the check that those buckets break (parameter 0 in the bucket that completes
+    last)."""
     report = grade(with_bugs(tmp_path, {"assign_buckets": LEAF_BUGS["assign_buckets"]}),
                    "--only", "assign_buckets,BucketedDDP", "--speed", "skip",
                    env={**offline_env, WITHOUT_KEY_ENV: "absent"})
@@ -350,13 +370,15 @@ def test_without_the_key_bucketed_ddp_is_judged_against_the_buckets_it_ran_with(
             assert is_reserved(r), r
         elif name == "assign_buckets_reverse_order_and_size_rule":
             assert r["status"] == "failed" and "assign_buckets([" in r["message"], r
+        elif name in HELPER_BUGS_FAIL["BucketedDDP"]:
+            assert r["status"] == "failed" and "parameter 0" in r["message"], r
         else:
             assert r["status"] == "passed", report["stdout"]
 
 
 def test_the_buckets_probe_asks_the_helper_the_class_runs_with():
-    """Without the key (the student edition, no reference at hand) BucketedDDP's all-reduces
-    are judged against the buckets of the assign_buckets its __init__ sees: the student's own."""
+    """BucketedDDP's all-reduces are judged against the buckets of the assign_buckets its
+    __init__ sees: the student's own (with the key or without)."""
     from autograder.assignments.a4_sharding.probes import probe_helper_values
 
     ns = {"__name__": "__notebook__"}
@@ -365,7 +387,7 @@ def test_the_buckets_probe_asks_the_helper_the_class_runs_with():
          "class BucketedDDP:\n"
          "    def __init__(self, module, bucket_bytes):\n"
          "        self.buckets = assign_buckets([1], bucket_bytes, 8)\n", ns)
-    got = probe_helper_values(ns, "BucketedDDP", "assign_buckets", [(([3, 4], 8, 8), {})], None)
+    got = probe_helper_values(ns, "BucketedDDP", "assign_buckets", [(([3, 4], 8, 8), {})])
     assert got == [{"kind": "list", "items": [
         {"kind": "list", "items": [{"kind": "plain", "value": 0}]},
         {"kind": "list", "items": [{"kind": "plain", "value": 1}]}]}]

@@ -2,13 +2,14 @@
 loses exactly the points of the function(s) it breaks.
 
 Every grading run starts several 4-process runs, so bugs that break different functions are
-planted together: ``ParallelMLP``, ``train_2d`` and ``cross_check`` are graded with the
-reference layers, so bugs in ``ColumnParallelLinear`` and ``RowParallelLinear`` cost only their
-own points, and a bug in ``train_2d`` only its own. The rank-reversed slices, which leave every
-block's output right, get a run of their own restricted to the two layers (and cross_check, with
-a bug of its own); the bugs that only the later rules catch (a dense layer changed by
-from_linear, 3-D inputs only, an all-gather's output, the sequence-parallel layout, an error on
-the ranks) get one more run.
+planted together. ``ParallelMLP``, ``train_2d`` and ``cross_check`` are graded with the
+submission's own layers (as in the student's self-check), so bugs in ``ColumnParallelLinear``
+and ``RowParallelLinear`` also cost ``ParallelMLP``'s and ``cross_check``'s checks that use
+them. The rank-reversed slices, which leave every block's output right, get a run of their own
+restricted to the two layers (and cross_check, with a bug of its own); the bugs that only the
+later rules catch (a dense layer changed by from_linear, 3-D inputs only, an all-gather's
+output, the sequence-parallel layout, an error on the ranks) get two more runs: the layers' and
+the loss's, then cross_check's and train_2d's (which the 3-D-only layer would break too).
 
 Tier: both: reference full marks and stub zero are quick (one grading each); planted bugs are
 full.
@@ -124,11 +125,14 @@ def test_released_stubs_score_zero_with_readable_messages(offline_env):
 @pytest.mark.slow
 def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path):
     """Four bugs in four functions, in one grading run: each of the four loses points (the
-    checks its bug breaks); ParallelMLP and cross_check, graded with the reference layers, keep
-    all of theirs."""
+    checks its bug breaks), and so do ParallelMLP and cross_check, which run with these (own,
+    broken) layers; every other function keeps all of its points."""
     report = grade(write(tmp_path, "bugs", BUGS), env=offline_env)
-    # the layers' slices stay right with these bugs: their slice checks keep their point
-    assert_only_these_lose_points(report, BUGS, all_of_them=False)
+    # the layers' slices stay right with these bugs: their slice checks keep their point;
+    # ParallelMLP and cross_check's own block fail with the layers (confirmed by a grading of
+    # the two layer bugs alone: ParallelMLP's checks, cross_check's "ours" and train_2d's fail)
+    assert_only_these_lose_points(report, [*BUGS, "ParallelMLP", "cross_check"],
+                                  all_of_them=False)
     print(report["stdout"])
     messages = " ".join(r["message"] for r in report["results"])
     assert "the gradient of the input" in messages      # the column layer's missing f
@@ -161,13 +165,23 @@ def test_bugs_only_the_later_rules_catch(offline_env, tmp_path):
     """A dense layer changed by from_linear, a layer right on 3-D inputs only, an all-gather
     whose output grows with the ranks, a sequence-parallel block that returns every token, an
     error on the ranks: each loses its function's points (only the checks it breaks, where it
-    leaves the others right), with a message that says why."""
-    path = write(tmp_path, "later", NEW_RULES, ("vocab_parallel_cross_entropy", NEW_RULES_SECOND))
-    report = grade(path, "--only", ",".join(NEW_RULES), env=offline_env)
-    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    print(report["stdout"])
-    assert {r["function"] for r in report["results"]} == set(NEW_RULES)
-    failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
+    leaves the others right), with a message that says why. Two runs: cross_check and train_2d
+    run with the submission's own layers, which the 3-D-only layer breaks (on 2-D inputs), so
+    their own bugs are graded in a run of their own, beside correct layers."""
+    results = []
+    for run, functions in enumerate([
+            ("ColumnParallelLinear", "RowParallelLinear", "vocab_parallel_cross_entropy"),
+            ("cross_check", "train_2d")]):
+        own = {f: bug for f, bug in NEW_RULES.items() if f in functions}
+        more = [("vocab_parallel_cross_entropy", NEW_RULES_SECOND)] \
+            if "vocab_parallel_cross_entropy" in own else []
+        path = write(tmp_path, f"later_{run}", own, *more)
+        report = grade(path, "--only", ",".join(functions), env=offline_env)
+        assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+        print(report["stdout"])
+        assert {r["function"] for r in report["results"]} == set(functions)
+        results += report["results"]
+    failed = {r["name"]: r["message"] for r in results if r["status"] == "failed"}
     assert all(failed.values()), failed
     assert set(failed) == {
         "column_parallel_slices_shapes_and_errors",           # only the dense layer changed
@@ -175,7 +189,7 @@ def test_bugs_only_the_later_rules_catch(offline_env, tmp_path):
         "vocab_parallel_cross_entropy_communication_bound",  # values right, output too big
         "cross_check_sequence_parallel_block",
         "train_2d_two_by_two_matches_dense_training", "train_2d_one_by_two_and_two_by_one",
-        "train_2d_uses_the_tp_groups"}, report["stdout"]
+        "train_2d_uses_the_tp_groups"}, failed
     assert "from_linear must leave `linear` unchanged" in failed[
         "column_parallel_slices_shapes_and_errors"]
     assert "einsum" in failed["row_parallel_outputs_and_gradients"]

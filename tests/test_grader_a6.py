@@ -2,13 +2,13 @@
 loses exactly the points of the function it breaks.
 
 Every grading run starts one 4-process run per function, so bugs that break different functions
-are planted together: ``ring_attention`` is graded with the reference ``merge_attention``, and
-``train_cp`` with the reference ring and Ulysses, so each bug costs its own function only. The
-second bug of ``ring_attention`` and of ``train_cp`` gets a second run (``--only`` those two), a
-ring that all-gathers K/V (right values, wrong communication) a third, a ring that sends to
-itself on one rank (with a zig-zag training that keeps contiguous positions) a fourth, and a ring
-that keeps every K/V block for backward a fifth. With the answer key
-(the instructor's repository) the planted bugs lose their public and hidden checks; without it
+are planted together. ``ring_attention`` runs with the submission's own ``merge_attention``, and
+``train_cp`` with its own ring and Ulysses (as in the student's self-check), so a bug there can
+cost their checks too; in these runs each of them has a bug of its own anyway. The second bug
+of ``ring_attention`` and of ``train_cp`` gets a second run (``--only`` those two), a ring that
+all-gathers K/V (right values, wrong communication) a third, a ring that sends to itself on one
+rank (with a zig-zag training that keeps contiguous positions) a fourth, and a ring that keeps
+every K/V block for backward a fifth. With the answer key (the instructor's repository) the planted bugs lose their public and hidden checks; without it
 (the student's view) the reference earns every public point and the hidden check is reserved.
 Without processes: public_cases.json is the key's public_cases(), and the public merge check's
 tolerance holds correct merges written three ways with room to spare.

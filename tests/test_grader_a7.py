@@ -2,13 +2,16 @@
 loses exactly the points of the checks that judge what it breaks (each check judges only what
 it is named for: a wrong keep_mask costs keep_mask's checks, not expert_capacity's values).
 
-Each function is graded with the reference versions of the parts it calls, so bugs that break
-different functions are planted together: one grading run holds a bug in each of route,
-expert_capacity (keep_mask), MoELayer, ExpertParallelMoE and train_ep; a second run (``--only``
-those two) holds the second bug of ExpertParallelMoE and of train_ep. Not exchanging the counts
-makes gloo kill a rank (SIGABRT): the failure must say so, not hang. A third run holds code the
-text allows (``experts.view(-1)``: the reference's helpers return contiguous tensors) and
-bad-input handlers that change module state: they may cost their ValueError points only.
+Each function is graded with the submission's own versions of the parts it calls (as in the
+student's self-check), whose bugs can then cost its checks too; bugs that break different
+functions are planted together where each caller has a bug of its own: one grading run holds a
+bug in each of route, expert_capacity (keep_mask), MoELayer, ExpertParallelMoE and train_ep; a
+second run (``--only`` those two) holds the second bug of ExpertParallelMoE and of train_ep
+(train_ep's own two bugs get a run of their own, beside a correct ExpertParallelMoE). Not
+exchanging the counts makes gloo kill a rank (SIGABRT): the failure must say so, not hang. A
+third run holds code the text allows (``experts.view(-1)``: the route the text asks for returns
+contiguous tensors) and bad-input handlers that change module state: they may cost their
+ValueError points, and what the changed state breaks.
 
 Without the answer key (``AUTOGRADER_ANSWER_KEY=absent``, the student's view) the reference
 earns every public point and the hidden checks are reserved; the public cases' JSON is the key's
@@ -97,8 +100,8 @@ SECOND_LOSE = {
 
 # The third run: what the text allows, or costs only a ValueError point.
 ALLOWED = {
-    # torchtitan's TokenReorderer flattens the experts with view(-1): the reference route
-    # (grader-supplied in Parts 4-5) must return a contiguous tensor, as the text says
+    # torchtitan's TokenReorderer flattens the experts with view(-1): the submission's route
+    # (the reference's answer here) returns a contiguous tensor, as the text says
     "MoELayer": ("        chosen = experts[tokens, choices]\n",
                  "        chosen = experts.view(-1)[tokens * self.k + choices]\n"),
     "ExpertParallelMoE": (
@@ -119,7 +122,11 @@ ALLOWED_EP_VIEW = ("        chosen, order = torch.sort(experts[tokens, choices],
                    "        chosen, order = torch.sort(experts.view(-1)[tokens * self.k + choices],"
                    " stable=True)\n")
 ALLOWED_LOSE = {"ExpertParallelMoE_from_moe_attributes_and_value_error",
-                "expert_capacity_fixed_cases_and_value_errors"}
+                "expert_capacity_fixed_cases_and_value_errors",
+                # MoELayer runs after it in the sandbox's own process, with the submission's
+                # keep_mask, which the bad-input handler replaced (confirmed by a grading of that
+                # change alone); its public checks use the same keep_mask, the key's does not
+                "MoELayer_against_the_answer_key"}
 
 
 def write(tmp_path, name, *bugs):
@@ -172,9 +179,13 @@ def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path)
     assert "ties to the lower index" not in route and "weights" in route, failed
     assert "first choices in token order" in failed["keep_mask_fixed_cases_and_the_fill_order"]
     assert "aux" in failed["MoELayer_outputs_against_a_per_token_loop"], failed
-    assert "aux" in failed["MoELayer_against_the_answer_key"], failed
+    # against the key, y is wrong first: MoELayer runs with the submission's (broken) route
+    # (confirmed by a grading of the route's bug alone: MoELayer's public checks pass there)
+    assert "y (vs the answer key" in failed["MoELayer_against_the_answer_key"], failed
     assert "exchange the counts" in failed["ExpertParallelMoE_forward_against_a_per_token_loop"]
-    assert "train_ep" in failed["train_ep_state_matches_one_process_training"], failed
+    # train_ep runs with the submission's (crashing) ExpertParallelMoE, and says so (confirmed by
+    # a grading of that bug alone); its own bugs: test_train_ep_bugs_beside_a_correct_layer
+    assert "exchange the counts" in failed["train_ep_state_matches_one_process_training"], failed
 
 
 @pytest.mark.full
@@ -195,14 +206,29 @@ def test_second_bugs_of_expert_parallelism_and_of_training(offline_env, tmp_path
 
 @pytest.mark.full
 @pytest.mark.slow
+def test_train_ep_bugs_beside_a_correct_layer(offline_env, tmp_path):
+    """train_ep's own two bugs (experts' gradients not divided by n, dense ones summed), with
+    the reference's ExpertParallelMoE (train_ep runs with the submission's own): every check of
+    train_ep fails, each naming train_ep."""
+    bugs = [{"train_ep": BUGS["train_ep"]}, {"train_ep": SECOND_BUGS["train_ep"]}]
+    report = grade(write(tmp_path, "train_ep", *bugs), "--only", "train_ep", "--speed", "skip",
+                   env=offline_env)
+    print(report["stdout"])
+    assert_only_these_checks_fail(report, {c.name for c in SPEC.checks
+                                           if c.function == "train_ep"})
+    assert all(r["message"].startswith("train_ep ") for r in report["results"]), report["stdout"]
+
+
+@pytest.mark.full
+@pytest.mark.slow
 def test_allowed_code_scores_full_and_bad_inputs_cost_only_their_points(offline_env, tmp_path):
-    """Issue #32: a MoELayer and an ExpertParallelMoE that call ``experts.view(-1)`` on the
-    reference route's experts score full (it returns a contiguous tensor); a from_moe that,
-    given experts the group cannot split, raises nothing and breaks the class's forward loses
-    only its from_moe/ValueError point (that case runs on processes of its own, after the
-    values); an expert_capacity that, given a bad num_tokens, replaces the cell's keep_mask
-    loses only its values-and-errors point (the errors run after every value case of the
-    cell)."""
+    """Issue #32: a MoELayer and an ExpertParallelMoE that call ``experts.view(-1)`` on their
+    route's experts score full (it returns a contiguous tensor); a from_moe that, given experts
+    the group cannot split, raises nothing and breaks the class's forward loses only its
+    from_moe/ValueError point (that case runs on processes of its own, after the values); an
+    expert_capacity that, given a bad num_tokens, replaces the cell's keep_mask loses its
+    values-and-errors point (the errors run after every value case of the cell), and MoELayer,
+    graded after it with that keep_mask, its check against the key."""
     nb = write(tmp_path, "allowed", ALLOWED, {"ExpertParallelMoE": ALLOWED_EP_VIEW})
     report = grade(nb, "--only", ",".join(ALLOWED), "--speed", "skip", env=offline_env)
     print(report["stdout"])

@@ -6,12 +6,14 @@ the grader's own parts: public_cases.json is the key's public_cases(), best_conf
 hidden cases are decided by more than float rounding, and the grader trains the notebook's
 model.
 
-Each function is graded with the reference versions of the parts it calls, so bugs that break
-different functions are planted together: one grading run holds a bug in each of the four
-functions (train_3d's: the mesh's dimensions in the wrong order), another the bugs of issue #32
-(step_time's bandwidth by ``size * stride <= node_size``, best_config without 1F1B below pp
-micro-batches, train_3d's loss not averaged over dp): each loses exactly the checks that judge
-what it breaks (a ValueError check keeps its point when only the values are wrong).
+Bugs that break different functions are planted together: one grading run holds a bug in each
+of the four functions (train_3d's: the mesh's dimensions in the wrong order), another the bugs
+of issue #32 (step_time's bandwidth by ``size * stride <= node_size``, best_config without 1F1B
+below pp micro-batches, train_3d's loss not averaged over dp): each loses exactly the checks
+that judge what it breaks (a ValueError check keeps its point when only the values are wrong).
+best_config runs with the submission's own per_rank_memory and step_time (as in the student's
+self-check), so its own bugs' messages are checked beside a correct cost model, ``--only
+best_config``, one grading each.
 train_3d's other bugs (the gradients averaged over the world, losses returned on every stage,
 micro-batch losses not scaled) are one grading each, ``--only train_3d`` (about 5 s each: the 8
 processes start from the fork server in milliseconds). A pipeline that deadlocks (a gradient
@@ -186,8 +188,10 @@ def test_planted_bugs_lose_exactly_their_functions_points(offline_env, tmp_path)
             failed
         assert "['bubble']" in failed[f"step_time_matches_the_cost_model_on_{where}_cases"], \
             failed
-    for where in ("public", "hidden"):
-        assert "the best needs exactly that" in failed[f"best_config_{where}_cases"], failed
+    for where in ("public", "hidden"):  # it runs with the (broken) per_rank_memory and
+        # step_time of the submission, which also fail both cases alone (confirmed by a grading);
+        # its own bug's message: test_best_config_bugs_beside_a_correct_cost_model
+        assert "your own per_rank_memory and step_time" in failed[f"best_config_{where}_cases"]
     for name in ("state_on_pp2_dp2_tp2_8_ranks_matches_one_process", "each_mode_on_its_own_group"):
         assert "made a SEND with rank" in failed[f"train_3d_{name}"], failed  # not its neighbour
 
@@ -208,9 +212,30 @@ def test_issue_32_bugs_lose_exactly_the_checks_that_judge_them(offline_env, tmp_
     assert points_by_function(report) == {"per_rank_memory": 3, "step_time": 1,
                                           "best_config": 0, "train_3d": 6}, report["stdout"]
     messages = {r["name"]: r["message"] for r in report["results"]}
-    for _, _, fails, text in ISSUE_BUGS.values():
+    for function, (_, _, fails, text) in ISSUE_BUGS.items():
+        if function == "best_config":  # it runs with the submission's (broken) step_time, which
+            continue  # fails its public cases alone; its own: test_best_config_bugs_beside_...
         for name in fails:
             assert text in messages[name], (name, messages[name])
+
+
+#: best_config's own bugs (BUGS' and issue #32's), each graded beside a correct cost model (it
+#: runs with the submission's own per_rank_memory and step_time): the text its failures hold
+BEST_CONFIG_BUGS = {"exact fit": (BUGS["best_config"], "the best needs exactly that"),
+                    "no 1f1b below pp": (ISSUE_BUGS["best_config"][:2], "with batch")}
+
+
+@pytest.mark.full
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", list(BEST_CONFIG_BUGS))
+def test_best_config_bugs_beside_a_correct_cost_model(bug, offline_env, tmp_path):
+    planted, text = BEST_CONFIG_BUGS[bug]
+    report = grade(write(tmp_path, bug.replace(" ", "_"), {"best_config": planted}), "--only",
+                   "best_config", env=offline_env)
+    print(report["stdout"])
+    assert_only_these_checks_fail(report, {"best_config_public_cases", "best_config_hidden_cases"})
+    for r in report["results"]:
+        assert text in r["message"], r
 
 
 @pytest.mark.full

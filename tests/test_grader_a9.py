@@ -4,16 +4,18 @@ exactly the checks that judge what it breaks, and a hang costs one timeout; and,
 without a grading, the grader's own parts: public_cases.json is the key's, the planted faults
 recorded on gloo give the diagnoses the grader expects, the malformed traces are malformed.
 
-Planted bugs (one grading, with the key; different functions, each graded with the reference's
-helpers): a diagnosis that reports the divergence of the lowest rank instead of the first
+Planted bugs (one grading, with the key; different functions): a diagnosis that reports the divergence of the lowest rank instead of the first
 divergence (diagnose's fixed, hidden and recorded checks; its ValueError point kept), a save
 written in place instead of to a temporary file and committed (both kill checks; the round trip
 kept), a restart that does not restore the RNG state (train_resumable's bitwise and
 across-world-size checks; the samples read are right), and an async save that aliases the live
 tensors instead of staging a copy (its correctness check; its speed check is not run with
-``--speed skip``). A second grading, speed measured: a save_checkpoint that hangs, a restart
-of train_resumable that deadlocks (one timeout each, no process left, diagnose keeps its
-points) and an async save that waits for its own writer (the speed point). A third,
+``--speed skip``); train_resumable and async_save run with the submission's own
+save_checkpoint, whose bug costs them nothing more here. Two more gradings: a save_checkpoint
+that hangs (``--only`` the checkpoint functions: train_resumable and async_save would hang on
+it too), then, speed measured, a restart of train_resumable that deadlocks (one timeout each,
+no process left, diagnose keeps its points) and an async save that waits for its own writer
+(the speed point). A third,
 ``--only train_resumable``: a sampler that restarts at the epoch's start after a restart (all
 three of its checks). A fourth, ``--only save_checkpoint,load_latest``: a save that never
 commits (the round trip and both kill checks, each naming what it expected).
@@ -150,49 +152,64 @@ def test_planted_bugs_lose_exactly_their_checks(offline_env, tmp_path):
         "train_resumable_matches_an_uninterrupted_run_on_one_world_size_bitwise"], failed
 
 
-@pytest.mark.full
-@pytest.mark.slow
-def test_a_hang_a_deadlocked_restart_and_a_blocking_async_save(offline_env, tmp_path):
-    """One grading, speed measured, three bugs in three functions (each graded with the
-    reference's helpers): save_checkpoint never returns and starts a process that ignores
-    SIGTERM (the round trip times out once, 15 s, the kill checks fail at once with it); every
-    rank of train_resumable's first restart waits forever, deaf to SIGTERM (that run is stopped
-    after 60 s, the job after it is not started: its three checks fail, naming the hang); an
-    async save that waits for its own writer (its correctness points kept, the speed point
-    lost, or skipped with the reason where a save is too short to tell). diagnose keeps its 8
-    points, and no process and no file is left behind (the grading's TMPDIR, where every sandbox
-    and its checkpoints live, ends empty)."""
+def _grade_leaving_nothing(notebook, *extra, env, seconds: float) -> dict:
+    """The report of grading ``notebook`` within ``seconds``, after which no process and no
+    file is left behind (the grading's TMPDIR, where every sandbox and its checkpoints live,
+    ends empty)."""
     tag = uuid.uuid4().hex
     scratch = Path(tempfile.mkdtemp(prefix="a9-"))  # short: the fork server's socket is in it
     start = time.monotonic()
-    report = grade(planted_copy(SOURCE, tmp_path, "hang", HANG, DEADLOCK, BLOCKING_BUG),
-                   env={**offline_env, "AUTOGRADER_RUN_TAG": tag, "TMPDIR": str(scratch)},
-                   timeout=400)
-    seconds = time.monotonic() - start
+    report = grade(notebook, *extra, timeout=400,
+                   env={**env, "AUTOGRADER_RUN_TAG": tag, "TMPDIR": str(scratch)})
+    took = time.monotonic() - start
     print(report["stdout"])
     assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    results = {r["name"]: r for r in report["results"]}
-    speed = results.pop("async_save_returns_before_the_save_is_written")
-    assert speed["status"] == "failed" or "too short to tell" in speed["message"], speed
-    assert points_by_function(report) == {"diagnose": 8, "load_latest": 0,
-                                          "save_checkpoint": 0, "train_resumable": 0,
-                                          "async_save": 2, "async_save_speedup": 0}, \
-        report["stdout"]
-    for r in results.values():
-        if r["function"] in ("load_latest", "save_checkpoint"):
-            assert "timed out" in r["message"], r
-        if r["function"] == "train_resumable":
-            assert "still running after 60 s" in r["message"] or "not run: run 2" in r[
-                "message"], r
-    assert "not run: run 2" in results[
-        "train_resumable_across_world_sizes_matches_one_process"]["message"]
-    assert seconds < 15 + 60 + 2 * GRADING_SECONDS, f"grading took {seconds:.0f} s"
+    assert took < seconds, f"grading took {took:.0f} s"
     time.sleep(0.5)
     left = processes_tagged(tag)
     assert not left, f"processes left behind: {left}"
     files = sorted(str(f.relative_to(scratch)) for f in scratch.rglob("*"))
     assert not files, f"files left behind: {files[:10]}"
     scratch.rmdir()
+    return report
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_a_hang_a_deadlocked_restart_and_a_blocking_async_save(offline_env, tmp_path):
+    """Two gradings (train_resumable and async_save run with the submission's own
+    save_checkpoint, so a save that hangs would hang them too: confirmed by a grading of the
+    three bugs together). First, ``--only save_checkpoint,load_latest``: save_checkpoint never
+    returns and starts a process that ignores SIGTERM (the round trip times out once, 15 s, the
+    kill checks fail at once with it). Then, speed measured, beside a correct save: every rank
+    of train_resumable's first restart waits forever, deaf to SIGTERM (that run is stopped after
+    60 s, the job after it is not started: its three checks fail, naming the hang); an async
+    save that waits for its own writer (its correctness points kept, the speed point lost, or
+    skipped with the reason where a save is too short to tell). diagnose and the checkpoint
+    functions keep their points, and neither grading leaves a process or a file behind."""
+    report = _grade_leaving_nothing(planted_copy(SOURCE, tmp_path, "hang", HANG), "--only",
+                                    "save_checkpoint,load_latest", env=offline_env,
+                                    seconds=15 + GRADING_SECONDS)
+    assert points_by_function(report) == {"load_latest": 0, "save_checkpoint": 0}, \
+        report["stdout"]
+    assert all("timed out" in r["message"] for r in report["results"]), report["stdout"]
+
+    report = _grade_leaving_nothing(planted_copy(SOURCE, tmp_path, "deadlock", DEADLOCK,
+                                                 BLOCKING_BUG), env=offline_env,
+                                    seconds=60 + 2 * GRADING_SECONDS)
+    results = {r["name"]: r for r in report["results"]}
+    speed = results.pop("async_save_returns_before_the_save_is_written")
+    assert speed["status"] == "failed" or "too short to tell" in speed["message"], speed
+    assert points_by_function(report) == {"diagnose": 8, "load_latest": 1,
+                                          "save_checkpoint": 4, "train_resumable": 0,
+                                          "async_save": 2, "async_save_speedup": 0}, \
+        report["stdout"]
+    for r in results.values():
+        if r["function"] == "train_resumable":
+            assert "still running after 60 s" in r["message"] or "not run: run 2" in r[
+                "message"], r
+    assert "not run: run 2" in results[
+        "train_resumable_across_world_sizes_matches_one_process"]["message"]
 
 
 @pytest.mark.full

@@ -9,15 +9,14 @@ the student's function in the sandbox, and judges what came back against what it
 itself: the unsplit model in float64 (tolerances from a float32 run of the same computation,
 :func:`~autograder.checking.expect.assert_close_float32`), a brute-force balanced split, a
 schedule validator (``schedules.py``), schedules whose idle slots are known from how they were
-written or built (``schedules.py``), one-process SGD. Where the reference solution is at hand
-the other graded functions are the reference's while one is graded (``spec.py``: helpers), so a
-bug costs the points of its own function only. Points: ``spec.py``.
+written or built (``schedules.py``), one-process SGD. A function is graded with the student's
+own versions of the other graded functions it calls (as in the student's self-check), so a bug
+in one can also cost checks of the functions that call it. Points: ``spec.py``.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import os
 
 import pytest
@@ -27,7 +26,6 @@ from autograder.checking.expect import (assert_close_float32, devices_for, fresh
                                         sequence, tensor)
 from autograder.checking.harness import skip_unless
 from autograder.checking.ranks import probe_server_run, probe_server_start, probe_server_stop
-from autograder.checking.reference import reference_cells
 from autograder.checking.speed import (against_trusted_baseline, judge_rounds, median,
                                        reference_sandbox, timed, timed_calls)
 from course.devices import gpu_count
@@ -52,13 +50,6 @@ MIN_REFERENCE_SPEEDUP = 1.1
 FIXED_THRESHOLD = 1.2
 
 
-@functools.lru_cache(maxsize=None)
-def cells_for(name: str):
-    """The reference's set-up and the functions ``name`` may call (None in the student
-    edition, where the student's own are used)."""
-    return reference_cells(ASSIGNMENT, ["setup", *SPEC.function(name).helpers])
-
-
 # ---------------------------------------------------------------------------- split_into_stages
 
 def _check_split(student, model, k, seed):
@@ -68,8 +59,7 @@ def _check_split(student, model, k, seed):
     bounds = bounds_of(sizes)
     want_params = [sum(counts[a:b]) for a, b in bounds]
     inputs, out64, out32 = expected_stage_outputs(model, bounds, seed)
-    r = student.call(probe_split, copy.deepcopy(model), devices, inputs,
-                     cells_for("split_into_stages"))
+    r = student.call(probe_split, copy.deepcopy(model), devices, inputs)
     what = f"split_into_stages(model, {k} devices) with model = {model_text(model)}"
     if "items" not in r:
         sequence(r["stages"], f"{what}: the result")
@@ -119,8 +109,7 @@ def test_split_into_stages_one_layer_per_stage_and_too_few_layers(student):
     g, seed = fresh_generator()
     _check_split(student, build_model(g, [6, "relu", 5]), 2, seed)
     _check_split(student, build_model(g, [6, 8, "relu", 5]), 3, seed)  # a stage of one ReLU
-    r = student.call(probe_split_too_few_layers, build_model(g, [4, 3]), devices_for(2),
-                     cells_for("split_into_stages"))
+    r = student.call(probe_split_too_few_layers, build_model(g, [4, 3]), devices_for(2))
     raised = r["raised"]
     assert raised and "ValueError" in raised, (
         "split_into_stages(model of 1 layer, 2 devices) should raise ValueError (a stage would "
@@ -143,8 +132,7 @@ def _check_forward(student, name, p, batch, num_microbatches=None, *, clock_orde
     out64, x_grad64, grads64 = expected_forward(model, x, grad_out, torch.float64)
     out32, x_grad32, grads32 = expected_forward(model, x, grad_out, torch.float32,
                                                 num_microbatches)
-    r = student.call(probe_forward, name, model, cuts, devices, x, grad_out, num_microbatches,
-                     cells_for(name))
+    r = student.call(probe_forward, name, model, cuts, devices, x, grad_out, num_microbatches)
     call = (f"{name}(stages, x{f', {num_microbatches}' if num_microbatches else ''}) with "
             f"{p} stage(s), batch {batch}")
     out = tensor(r["out"], f"{call}: the output")
@@ -206,7 +194,7 @@ def _schedules(student, name, fixed, count, **kwargs):
     """Run ``name`` on the ``fixed`` (stages, micro-batches) pairs and ``count`` random ones
     (:func:`schedule_cases`): each valid schedule with the step of every op."""
     g, _ = fresh_generator()
-    return schedules_of(student, name, cells_for(name), schedule_cases(g, fixed, count, **kwargs))
+    return schedules_of(student, name, schedule_cases(g, fixed, count, **kwargs))
 
 
 @graded
@@ -252,7 +240,7 @@ def test_bubble_fraction_idle_slots_and_invalid_schedules(student):
     fixed = bubble_tables()
     cases = fixed + [random_bubble_case(g) for _ in range(8)]
     r = student.call(probe_bubble, [schedule for _, schedule, _, _ in cases],
-                     [schedule for _, schedule in INVALID_SCHEDULES], cells_for("bubble_fraction"))
+                     [schedule for _, schedule in INVALID_SCHEDULES])
     assert isinstance(r, dict) and len(r.get("values", ())) == len(cases) and len(
         r.get("errors", ())) == len(INVALID_SCHEDULES), "the probe's reply was tampered with"
     for i, ((what, schedule, idle, makespan), desc) in enumerate(zip(cases, r["values"])):
@@ -299,8 +287,7 @@ def _check_pipeline_train(student, world_size, cases_spec):
         X = torch.randn(batch, spec[0], generator=g)
         y = torch.randint(0, spec[-1], (batch,), generator=g)
         cases.append((X, y, m, lr, steps))
-    r = student.call(probe_pipeline_train, world_size, model, cuts, cases,
-                     cells_for("pipeline_train_step"))
+    r = student.call(probe_pipeline_train, world_size, model, cuts, cases)
     assert isinstance(r, list) and len(r) == world_size, "the ranks' replies were tampered with"
     for c, (X, y, m, _, steps) in enumerate(cases):
         call = (f"pipeline_train_step on {world_size} rank(s), batch {X.shape[0]}, "
@@ -379,15 +366,15 @@ def test_pipeline_train_step_speedup_two_cpu_processes(student):
                            f"CPU cores to overlap and this machine gives the grader {cores}")
     _, seed = fresh_generator()
     function = SPEC.function("pipeline_train_step")
-    start = (probe_server_start, "a3-cpu", function, pipeline_server, 2, (seed,))
+    # no helper cells: each sandbox's step calls that sandbox's own functions
+    start = (probe_server_start, "a3-cpu", function, pipeline_server, 2, (seed,), None, (), "gloo")
     what = (f"pipeline_train_step on 2 CPU processes ({CPU_MICROBATCHES} micro-batches) vs 1 "
             f"process, batch {CPU_BATCH}")
     verdict = final = None
     with reference_sandbox(ASSIGNMENT) as reference:
         try:
-            student.call(*start, cells_for(function.name), function.helpers, "gloo")
-            if reference:
-                reference(*start, None, (), "gloo")      # the reference's own, in its sandbox
+            for call in filter(None, (student.call, reference)):
+                call(*start)
             for call in filter(None, (student.call, reference)):
                 call(probe_server_run, "a3-cpu", "pipe")   # what fails, fails before timing
                 call(probe_server_run, "a3-cpu", "base")

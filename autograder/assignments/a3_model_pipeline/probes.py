@@ -1,17 +1,15 @@
 """Assignment 3's probes: they run in the sandbox beside the student's code, call one of its
 functions on inputs the grader chose (stages they build themselves), and describe what came
-back; no judging here. While a function runs, the other graded functions are the reference's
-where the grader sent the reference's cells (``cells``)."""
+back; no judging here. A function runs with the student's own versions of the other graded
+functions it calls, as in the student's self-check."""
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import torch
 from torch import nn
 
-from autograder.checking.probes import (describe, error_of, reference_helpers,
-                                        student_function)
+from autograder.checking.probes import describe, error_of, student_function
 from autograder.checking.ranks import run_ranks
 
 from .models import wide_mlp, workload
@@ -19,22 +17,18 @@ from .ranks import train_on_ranks
 from .spec import SPEC
 
 
-@contextlib.contextmanager
-def graded_function(ns, name: str, cells):
-    """The student's ``name``, with the reference's versions of the functions it may call."""
-    function = SPEC.function(name)
-    fn = student_function(ns, function)
-    with reference_helpers(fn, cells, list(function.helpers)):
-        yield fn
+def graded_function(ns, name: str):
+    """The student's ``name``, with a clear error if it is missing or takes other arguments."""
+    return student_function(ns, SPEC.function(name))
 
 
 # ---------------------------------------------------------------------------- split_into_stages
 
-def probe_split(ns, model, devices, inputs, cells):
+def probe_split(ns, model, devices, inputs):
     """The stages' types, parameter counts and devices, and each one's output on ``inputs[i]``
     (when there is one input per stage)."""
-    with graded_function(ns, "split_into_stages", cells) as fn:
-        stages = fn(model, [torch.device(d) for d in devices])
+    fn = graded_function(ns, "split_into_stages")
+    stages = fn(model, [torch.device(d) for d in devices])
     if not isinstance(stages, (list, tuple)):
         return {"stages": describe(stages)}
     out = []
@@ -56,12 +50,12 @@ def probe_split(ns, model, devices, inputs, cells):
     return {"items": out}
 
 
-def probe_split_too_few_layers(ns, model, devices, cells):
-    with graded_function(ns, "split_into_stages", cells) as fn:
-        try:
-            fn(model, [torch.device(d) for d in devices])
-        except Exception as exc:  # noqa: BLE001 - the exception is the answer
-            return {"raised": [c.__name__ for c in type(exc).__mro__], "message": str(exc)[:200]}
+def probe_split_too_few_layers(ns, model, devices):
+    fn = graded_function(ns, "split_into_stages")
+    try:
+        fn(model, [torch.device(d) for d in devices])
+    except Exception as exc:  # noqa: BLE001 - the exception is the answer
+        return {"raised": [c.__name__ for c in type(exc).__mro__], "message": str(exc)[:200]}
     return {"raised": None}
 
 
@@ -80,7 +74,7 @@ class _RecordedStage(nn.Sequential):
         return super().forward(x)
 
 
-def probe_forward(ns, name, model, cuts, devices, x, grad_out, num_microbatches, cells):
+def probe_forward(ns, name, model, cuts, devices, x, grad_out, num_microbatches):
     """``name(stages, x[, num_microbatches])`` on recorded stages ``model[cuts[s]:cuts[s+1]]``
     on ``devices[s]``, then a backward of ``grad_out``: the output, the stage calls, and the
     gradients of x and of every stage's parameters."""
@@ -90,8 +84,7 @@ def probe_forward(ns, name, model, cuts, devices, x, grad_out, num_microbatches,
               for s, (a, b, d) in enumerate(zip(cuts, cuts[1:], devices))]
     x = x.detach().clone().requires_grad_()
     extra = [num_microbatches] if name == "pipelined_forward" else []
-    with graded_function(ns, name, cells) as fn:
-        out = fn(stages, x, *extra)
+    out = graded_function(ns, name)(stages, x, *extra)
     result = {"out": describe(out), "log": [list(e) for e in log], "backward": False}
     if type(out) is torch.Tensor and out.requires_grad and out.shape == grad_out.shape:
         out.backward(grad_out.to(out.device))
@@ -102,28 +95,28 @@ def probe_forward(ns, name, model, cuts, devices, x, grad_out, num_microbatches,
 
 # ---------------------------------------------------------------------------- schedules, bubble
 
-def probe_pairs(ns, name, pairs, cells):
+def probe_pairs(ns, name, pairs):
     """``name(num_stages, num_microbatches)`` for each pair, described."""
-    with graded_function(ns, name, cells) as fn:
-        return [describe(fn(p, m)) for p, m in pairs]
+    fn = graded_function(ns, name)
+    return [describe(fn(p, m)) for p, m in pairs]
 
 
-def probe_bubble(ns, schedules, invalid, cells):
+def probe_bubble(ns, schedules, invalid):
     """``bubble_fraction(schedule)`` for each of ``schedules``, described, and what it did on
     each of the ``invalid`` ones (:func:`error_of`: ``"ValueError"`` if it raised one). Each
     call gets its own copy, so one that changes its argument changes nothing for the next."""
-    with graded_function(ns, "bubble_fraction", cells) as fn:
-        values = [describe(fn(copy.deepcopy(s))) for s in schedules]
-        errors = [error_of(lambda s=s: fn(copy.deepcopy(s))) for s in invalid]
+    fn = graded_function(ns, "bubble_fraction")
+    values = [describe(fn(copy.deepcopy(s))) for s in schedules]
+    errors = [error_of(lambda s=s: fn(copy.deepcopy(s))) for s in invalid]
     return {"values": values, "errors": errors}
 
 
 # ---------------------------------------------------------------------------- pipeline_train_step
 
-def probe_pipeline_train(ns, world_size, model, cuts, cases, cells):
+def probe_pipeline_train(ns, world_size, model, cuts, cases):
     """:func:`~.ranks.train_on_ranks` on ``world_size`` ranks with the student's step."""
-    with graded_function(ns, "pipeline_train_step", cells) as fn:
-        return run_ranks(train_on_ranks, world_size, fn, model, cuts, cases)
+    return run_ranks(train_on_ranks, world_size, graded_function(ns, "pipeline_train_step"),
+                     model, cuts, cases)
 
 
 # ---------------------------------------------------------------------------- GPU speedup
@@ -148,9 +141,8 @@ def gpu_stages(devices, seed):
 
 
 def probe_gpu_forward(ns, which, devices, seed, rows_back=False):
-    """``GPU_CALLS`` forwards (no grad): the namespace's pipelined_forward (with its own
-    helpers: nothing else is timed) or the plain split; synchronized. With ``rows_back``,
-    the output's rows ``::GPU_ROW_STEP``."""
+    """``GPU_CALLS`` forwards (no grad): the namespace's pipelined_forward or the plain split;
+    synchronized. With ``rows_back``, the output's rows ``::GPU_ROW_STEP``."""
     torch.set_float32_matmul_precision("highest")
     stages, x = gpu_stages(devices, seed)
     fn = student_function(ns, SPEC.function("pipelined_forward"))

@@ -114,10 +114,10 @@ def check_stage_calls(log, p: int, batch: int, num_microbatches: int, call: str,
         latest = (tick, stage, i)
 
 
-def schedules_of(student, name, cells, pairs):
+def schedules_of(student, name, pairs):
     """The student's ``name(p, m)`` for each pair: parsed, validated, and with
-    ``{(kind, i, s): step}`` (in the grader; ``cells``: the reference's helpers)."""
-    items = student.call(probe_pairs, name, pairs, cells)
+    ``{(kind, i, s): step}`` (in the grader)."""
+    items = student.call(probe_pairs, name, pairs)
     assert isinstance(items, list) and len(items) == len(pairs), \
         "the probe's reply was tampered with"
     out = []

@@ -1,8 +1,8 @@
 """Assignment 3, model parallel and pipelines: the contract with the grader."""
 from autograder.checking.spec import Check, Function, Spec
 
-#: The graded functions, in notebook order. Each is graded with the reference versions of the
-#: others (where the reference is at hand), so that a bug costs its own function's points only.
+#: The graded functions, in notebook order. Each is graded with the student's own versions of
+#: the others it calls (as in the student's self-check).
 NAMES = ("split_into_stages", "model_parallel_forward", "pipelined_forward", "gpipe_schedule",
          "one_f_one_b_schedule", "bubble_fraction", "pipeline_train_step")
 _PARAMS = {
@@ -17,8 +17,7 @@ _PARAMS = {
 
 SPEC = Spec(
     assignment="a3_model_pipeline",
-    functions=tuple(Function(name, _PARAMS[name], helpers=tuple(n for n in NAMES if n != name))
-                    for name in NAMES),
+    functions=tuple(Function(name, _PARAMS[name]) for name in NAMES),
     checks=(
         Check("split_into_stages_balanced", "split_into_stages", 1),
         Check("split_into_stages_ties_and_parameter_free_layers", "split_into_stages", 1),

@@ -16,8 +16,8 @@ against the answer key (``solutions/a4_sharding/answer_key.py``: the instructor'
 the hidden checks SKIP as reserved). Every other expectation is computed here, in the grader,
 from the released contracts, independently of the functions students write (``expected.py``:
 torch's chunks, torch's optimizers, dense float64 computations); BucketedDDP's all-reduces are
-judged against the buckets of the key's ``assign_buckets``, or without the key those of the
-``assign_buckets`` the class runs with (:func:`.runs.ddp_bucket_plans`). The
+judged against the buckets of the ``assign_buckets`` the class runs with: the student's own, as
+each class runs with the student's own helpers (:func:`.runs.ddp_bucket_plans`). The
 collectives are logged by the grader's own hooks on the process group, and FSDP's units read
 from its own state, never reported by the student. Points and call timeouts: ``spec.py``.
 """

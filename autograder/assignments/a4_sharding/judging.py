@@ -9,7 +9,6 @@ import random
 from pathlib import Path
 
 from autograder.checking.expect import fresh_generator
-from autograder.checking.reference import reference_cells
 from autograder.checking.timeouts import call_timeout
 from autograder.keys import answer_key
 
@@ -104,18 +103,16 @@ def judge_hidden_cases(student, name: str, *, pair: bool = False) -> None:
     judge_values(student, name, cases, want, seed, pair=pair)
 
 
-def runs_per_world_size(student, key: str, owner: str, probe, helper: str | None, *args,
+def runs_per_world_size(student, key: str, owner: str, probe, *args,
                         worlds=(1, 2, 3)) -> tuple[int, dict]:
-    """(seed, {world size: the probe's reply}) of one run per world size of ``probe`` (with the
-    reference's ``helper`` where at hand), shared by a class's checks (and the byte counts'
-    comparisons with them); the probes run case by case (:mod:`.cases`), so that a case that
+    """(seed, {world size: the probe's reply}) of one run per world size of ``probe``, shared
+    by a class's checks (and the byte counts' comparisons with them); the probes run case by case (:mod:`.cases`), so that a case that
     raises fails only the checks that use it; a failure of the run itself (a hang) is
     remembered and fails each of them alike. Each call may take what check ``owner`` allows
     (calibrated or the spec's), whichever check starts the run."""
     def run():
         _, seed = fresh_generator()
-        helpers = (reference_cells(SPEC.assignment, ["setup", helper]),) if helper else ()
         limit = call_timeout(SPEC.check(owner), student.calibration)
-        return seed, {w: student.call(probe, w, seed, *args, *helpers, timeout=limit)
+        return seed, {w: student.call(probe, w, seed, *args, timeout=limit)
                       for w in worlds}
     return student.shared(key, run)

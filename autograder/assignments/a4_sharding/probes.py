@@ -4,7 +4,7 @@ and :mod:`.ddp_ranks`), and describe what came back (no judging here).
 """
 from __future__ import annotations
 
-from autograder.checking.probes import describe, reference_helpers, student_function
+from autograder.checking.probes import describe, student_function
 
 from .cases import run_cases
 from .ddp_ranks import rank_bucketed_ddp_case
@@ -49,46 +49,38 @@ def probe_calls(ns, name: str, cases):
     return out
 
 
-def _run_class(ns, name, rank_fn, world_size, helper_cells, cases, *args):
+def _run_class(ns, name, rank_fn, world_size, cases, *args):
     """``rank_fn`` for each of ``cases`` with the student's class ``name`` on ``world_size``
-    ranks, case by case (:func:`~.cases.run_cases`), with the reference's versions of the
-    graded functions it calls where the reference is at hand (so that only ``name`` is graded).
-    On gloo, GPUs or not: the checks' tensors are CPU float64."""
-    cls = _lookup(ns, name)
-    init = getattr(cls, "__init__", None)
-    cells = helper_cells if hasattr(init, "__globals__") else None  # __init__ from the notebook
-    with reference_helpers(init, cells, list(SPEC.function(name).helpers)):
-        return run_cases(rank_fn, world_size, cases, cls, *args)
+    ranks, case by case (:func:`~.cases.run_cases`), with the student's own versions of the
+    graded functions it calls (as in the student's self-check). On gloo, GPUs or not: the
+    checks' tensors are CPU float64."""
+    return run_cases(rank_fn, world_size, cases, _lookup(ns, name), *args)
 
 
-def probe_helper_values(ns, name, helper, cases, helper_cells):
+def probe_helper_values(ns, name, helper, cases):
     """What the graded function ``helper`` returns on each ``(args, kwargs)`` of ``cases``, as
-    the class ``name`` calls it while graded (:func:`_run_class`: the reference's where the
-    reference is at hand, else the student's own), described: what the class's checks judge it
-    against where the grader has no answer key of its own."""
+    the class ``name`` calls it (the one its ``__init__`` sees: the student's own), described:
+    what the class's checks judge it against."""
     cls = _lookup(ns, name)
     init = getattr(cls, "__init__", None)
-    from_notebook = hasattr(init, "__globals__")
-    with reference_helpers(init, helper_cells if from_notebook else None, [helper]):
-        fn = (init.__globals__ if from_notebook else ns).get(helper)
-        if fn is None:
-            raise LookupError(f"{helper} is not defined: did its cell run without errors?")
-        return [describe(fn(*args, **kwargs)) for args, kwargs in cases]
+    fn = (init.__globals__ if hasattr(init, "__globals__") else ns).get(helper)
+    if fn is None:
+        raise LookupError(f"{helper} is not defined: did its cell run without errors?")
+    return [describe(fn(*args, **kwargs)) for args, kwargs in cases]
 
 
-def probe_sharded_optimizer(ns, world_size, seed, cases, steps, per_rank, helper_cells):
-    return _run_class(ns, "ShardedOptimizer", rank_sharded_optimizer_case, world_size,
-                      helper_cells, cases, seed, steps, per_rank)
+def probe_sharded_optimizer(ns, world_size, seed, cases, steps, per_rank):
+    return _run_class(ns, "ShardedOptimizer", rank_sharded_optimizer_case, world_size, cases,
+                      seed, steps, per_rank)
 
 
-def probe_bucketed_ddp(ns, world_size, seed, cases, steps, per_rank, lr, helper_cells):
-    return _run_class(ns, "BucketedDDP", rank_bucketed_ddp_case, world_size, helper_cells,
-                      cases, seed, steps, per_rank, lr)
+def probe_bucketed_ddp(ns, world_size, seed, cases, steps, per_rank, lr):
+    return _run_class(ns, "BucketedDDP", rank_bucketed_ddp_case, world_size, cases, seed, steps,
+                      per_rank, lr)
 
 
-def probe_sharded_linear(ns, world_size, seed, cases, helper_cells):
-    return _run_class(ns, "ShardedLinear", rank_sharded_linear_case, world_size, helper_cells,
-                      cases, seed)
+def probe_sharded_linear(ns, world_size, seed, cases):
+    return _run_class(ns, "ShardedLinear", rank_sharded_linear_case, world_size, cases, seed)
 
 
 def probe_apply_fsdp(ns, world_size, seed, cases_by_world, per_rank):

@@ -9,17 +9,12 @@ from __future__ import annotations
 import torch
 
 from autograder.checking.expect import assert_close, sequence, tensor
-from autograder.checking.reference import reference_cells
-from autograder.keys import answer_key
 
 from . import expected
 from .ddp_ranks import ddp_model
 from .judging import plain, runs_per_world_size
 from .probes import (probe_apply_fsdp, probe_bucketed_ddp, probe_helper_values,
                      probe_sharded_linear, probe_sharded_optimizer)
-from .spec import SPEC
-
-ASSIGNMENT = SPEC.assignment
 
 TAMPERED = "the probe's reply was tampered with"
 
@@ -74,8 +69,8 @@ def optimizer_each(student, min_world: int = 1, skip_failed: bool = False):
     """(seed, world size, rank, case index, case, reply) of every rank of every case run on
     ``min_world`` or more ranks."""
     seed, runs = runs_per_world_size(student, "opt", "sharded_optimizer_matches_one_process",
-                                     probe_sharded_optimizer, "shard_bounds", OPT_CASES,
-                                     OPT_STEPS, OPT_PER_RANK)
+                                     probe_sharded_optimizer, OPT_CASES, OPT_STEPS,
+                                     OPT_PER_RANK)
     for world, i, rank, reply in _walk(runs, OPT_CASES, range(len(OPT_CASES)), min_world,
                                        lambda w, r, i: optimizer_where(w, r, OPT_CASES[i]),
                                        skip_failed):
@@ -112,24 +107,19 @@ def ddp_numels(case: int) -> list[int]:
 def ddp_bucket_plans(student) -> list[list[tuple[list[int], int]]]:
     """Each case's buckets as (indices, elements), in bucket order: what ``assign_buckets``
     gives for the case's float64 parameters and bucket bytes, as the text has the class build
-    them ("the buckets come from your assign_buckets"). Where the answer key is, the key's
-    (the class then runs with the reference's helper); without it (the student edition), those
-    of the ``assign_buckets`` the class runs with (the student's own there: the reference's
-    where the reference is at hand), asked in the sandbox, so that the class is judged against
-    the buckets it was given."""
+    them ("the buckets come from your assign_buckets"): those of the ``assign_buckets`` the
+    class runs with (the student's own, with the key or without), asked in the sandbox, so that
+    the class is judged against the buckets it was given (and assign_buckets by its own
+    checks)."""
     calls = [(ddp_numels(i), bucket_bytes, 8) for i, (_, bucket_bytes) in enumerate(DDP_CASES)]
-    key = answer_key(ASSIGNMENT)
-    if key is not None:
-        plans = [key.assign_buckets(*args) for args in calls]
-    else:
-        def run():
-            cells = reference_cells(ASSIGNMENT, ["setup", "assign_buckets"])
-            replies = student.call(probe_helper_values, "BucketedDDP", "assign_buckets",
-                                   [(args, {}) for args in calls], cells)
-            assert isinstance(replies, list) and len(replies) == len(calls), TAMPERED
-            return [plain(r, f"assign_buckets{args}, whose buckets BucketedDDP is judged "
-                             "against,") for r, args in zip(replies, calls)]
-        plans = student.shared("ddp-buckets", run)
+
+    def run():
+        replies = student.call(probe_helper_values, "BucketedDDP", "assign_buckets",
+                               [(args, {}) for args in calls])
+        assert isinstance(replies, list) and len(replies) == len(calls), TAMPERED
+        return [plain(r, f"assign_buckets{args}, whose buckets BucketedDDP is judged "
+                         "against,") for r, args in zip(replies, calls)]
+    plans = student.shared("ddp-buckets", run)
     out = []
     for args, plan in zip(calls, plans):
         numels = args[0]
@@ -144,8 +134,8 @@ def ddp_bucket_plans(student) -> list[list[tuple[list[int], int]]]:
 def ddp_each(student, cases):
     """(seed, world, rank, case index, step, that step's reply, expected gradients)."""
     seed, runs = runs_per_world_size(student, "ddp", "bucketed_ddp_gradients_match_one_process",
-                                     probe_bucketed_ddp, "assign_buckets", DDP_CASES, DDP_STEPS,
-                                     DDP_PER_RANK, DDP_LR)
+                                     probe_bucketed_ddp, DDP_CASES, DDP_STEPS, DDP_PER_RANK,
+                                     DDP_LR)
     wants = {}
     for world, i, rank, replies in _walk(runs, DDP_CASES, cases, 1, ddp_where, False):
         if (world, i) not in wants:
@@ -222,7 +212,7 @@ def linear_each(student, min_world: int = 1, skip_failed: bool = False):
     rank and case of the runs on ``min_world`` or more ranks."""
     seed, runs = runs_per_world_size(student, "linear",
                                      "sharded_linear_outputs_and_gradients_match_dense",
-                                     probe_sharded_linear, "shard_bounds", LINEAR_CASES)
+                                     probe_sharded_linear, LINEAR_CASES)
     wants = {}
     for world, i, rank, reply in _walk(runs, LINEAR_CASES, range(len(LINEAR_CASES)), min_world,
                                        lambda w, r, i: linear_where(w, r, LINEAR_CASES[i]),
@@ -273,7 +263,7 @@ def fsdp_each(student, dims: int):
     worlds = tuple(w for w, cases in FSDP_CASES.items() if len(cases[0][1]) == dims)
     owner = ("apply_fsdp_each_block_and_the_root_its_own_unit" if dims == 1
              else "apply_fsdp_hsdp_on_a_2d_mesh")
-    seed, runs = runs_per_world_size(student, f"fsdp-{dims}d", owner, probe_apply_fsdp, None,
+    seed, runs = runs_per_world_size(student, f"fsdp-{dims}d", owner, probe_apply_fsdp,
                                      FSDP_CASES, FSDP_PER_RANK, worlds=worlds)
     for world in worlds:
         cases = FSDP_CASES[world]

@@ -12,12 +12,12 @@ SPEC = Spec(
     assignment="a4_sharding",
     functions=(
         Function("assign_buckets", ("param_numels", "bucket_bytes")),
-        Function("BucketedDDP", ("module", "bucket_bytes"), helpers=("assign_buckets",)),
+        Function("BucketedDDP", ("module", "bucket_bytes")),
         Function("shard_bounds", ("numel", "world_size", "rank")),
         Function("model_state_bytes", ("num_params", "world_size")),
         Function("comm_bytes_per_step", ("num_params", "world_size")),
-        Function("ShardedOptimizer", ("params", "optimizer_cls"), helpers=("shard_bounds",)),
-        Function("ShardedLinear", ("in_features", "out_features"), helpers=("shard_bounds",)),
+        Function("ShardedOptimizer", ("params", "optimizer_cls")),
+        Function("ShardedLinear", ("in_features", "out_features")),
         Function("apply_fsdp", ("model", "mesh")),
     ),
     checks=(

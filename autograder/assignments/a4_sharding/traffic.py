@@ -8,7 +8,7 @@ Where a run did not issue the contract's collectives, or keep the contract's sta
 finish (a case that raised), the class's own checks fail it, and the byte counts are compared
 with what the contract's collectives send (or the contract's state holds) at the same sizes
 instead: a bug in a class costs the points of that class only, and the byte counts are always
-graded (no SKIP, which nbgrader would award).
+graded (never a SKIP, which would leave them unjudged and unearned).
 """
 from __future__ import annotations
 

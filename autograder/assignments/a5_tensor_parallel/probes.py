@@ -1,15 +1,14 @@
 """Assignment 5's probes: they run in the sandbox beside the student's code, start the graded
 function (a class or a function) on 4 fresh processes and on a world of one here
 (:func:`autograder.checking.ranks.run_ranks`; what each process runs is in :mod:`.ranks`), and
-return what came back (no judging here). Classes and functions graded with the others' help
-get the reference versions of those (:func:`reference_helpers`), so a bug costs one function.
+return what came back (no judging here). Classes and functions that build on the others run
+with the student's own versions of those (as in the student's self-check).
 """
 from __future__ import annotations
 
 import inspect
-import types
 
-from autograder.checking.probes import reference_helpers, student_function
+from autograder.checking.probes import student_function
 from autograder.checking.ranks import run_ranks
 
 from . import ranks
@@ -52,19 +51,16 @@ def student_object(ns, name: str):
     return cls
 
 
-def _run(ns, name, world_size, helper_cells, body, *args):
+def _run(ns, name, world_size, body, *args):
     """``body`` on ``world_size`` ranks, on gloo, GPUs or not: the checks' tensors and meshes
     are CPU float64 (``init_device_mesh("cpu", ...)``), which NCCL cannot carry."""
-    fn = student_object(ns, name)
-    holder = types.SimpleNamespace(__globals__=ns)  # where the student's code looks names up
-    with reference_helpers(holder, helper_cells, list(SPEC.function(name).helpers)):
-        return run_ranks(body, world_size, fn, *args, backend="gloo")
+    return run_ranks(body, world_size, student_object(ns, name), *args, backend="gloo")
 
 
-def probe_ranks(ns, name, world_size, seed, helper_cells=None):
+def probe_ranks(ns, name, world_size, seed):
     """The ranks' replies of ``name``'s run on ``world_size`` processes (1 = here)."""
-    return _run(ns, name, world_size, helper_cells, _BODIES[name], seed)
+    return _run(ns, name, world_size, _BODIES[name], seed)
 
 
-def probe_train_2d(ns, world_size, seed, meshes, helper_cells=None):
-    return _run(ns, "train_2d", world_size, helper_cells, ranks.rank_train_2d, seed, meshes)
+def probe_train_2d(ns, world_size, seed, meshes):
+    return _run(ns, "train_2d", world_size, ranks.rank_train_2d, seed, meshes)

@@ -12,7 +12,9 @@ the whole float64 sequence with its gradients, one process training on the whole
 zig-zag layouts are values (``public_cases.json``). Communication, matmuls and what the ring's
 autograd graph keeps for backward are counted by the ranks' harness, and judged only for right
 results; a group where the function raised fails with its error, by group (:func:`_each`).
-``train_cp``'s unknown-mode check judges the ValueError alone. Points: spec.py.
+``train_cp``'s unknown-mode check judges the ValueError alone. ``ring_attention`` and
+``train_cp`` run with the student's own versions of the functions they call (as in the
+student's self-check). Points: spec.py.
 """
 from __future__ import annotations
 
@@ -46,9 +48,8 @@ def _tol64(reference: torch.Tensor) -> dict:
 
 def _run_of(student, name, *extra):
     """``(seed, replies)``: the 4 ranks' replies of ``name``'s one run, shared by its checks."""
-    helpers = E.helper_cells(SPEC.function(name).helpers)
     return shared_rank_replies(student, name, R.WORLD, probe_ranks,
-                               lambda seed: (name, seed, helpers, *extra))
+                               lambda seed: (name, seed, *extra))
 
 
 #: what a rank that waited on a crashed peer reports (not the cause)

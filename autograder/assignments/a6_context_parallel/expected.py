@@ -12,8 +12,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from autograder.checking.reference import reference_cells
-
 from . import ranks as R
 
 INF = float("inf")
@@ -118,8 +116,3 @@ def one_process_training(seed: int, source: str):
             for p in model.parameters():
                 p -= R.T_LR * p.grad
     return losses, [p.detach().clone() for p in model.parameters()]
-
-
-def helper_cells(names) -> list | None:
-    """The reference's cells for the graded functions a function is graded with."""
-    return reference_cells("a6_context_parallel", ["setup", *names]) if names else None

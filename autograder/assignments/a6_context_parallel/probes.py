@@ -1,18 +1,16 @@
 """Assignment 6's probes: they run in the sandbox beside the student's code. ``merge_attention``
 is called here, in the sandbox's own process (it needs no ranks); the other functions start on
 4 fresh processes (:func:`autograder.checking.ranks.run_ranks`; what each runs is in
-:mod:`.ranks`). They return what came back (no judging here). A function graded with others'
-help gets the reference versions of those (:func:`reference_helpers`), so a bug costs one
-function's points.
+:mod:`.ranks`). They return what came back (no judging here). A function that calls others
+runs with the student's own versions of those (as in the student's self-check).
 """
 from __future__ import annotations
 
 import inspect
-import types
 
 import torch
 
-from autograder.checking.probes import describe, reference_helpers, student_function
+from autograder.checking.probes import describe, student_function
 from autograder.checking.ranks import run_ranks
 
 from . import ranks
@@ -42,12 +40,10 @@ def student_object(ns, name: str):
     return fn
 
 
-def probe_ranks(ns, name, seed, helper_cells=None, *args):
+def probe_ranks(ns, name, seed, *args):
     """The 4 ranks' replies of ``name``'s run (on gloo: the checks' tensors are CPU float64)."""
-    fn = student_object(ns, name)
-    holder = types.SimpleNamespace(__globals__=ns)  # where the student's code looks names up
-    with reference_helpers(holder, helper_cells, list(SPEC.function(name).helpers)):
-        return run_ranks(_BODIES[name], ranks.WORLD, fn, seed, *args, backend="gloo")
+    return run_ranks(_BODIES[name], ranks.WORLD, student_object(ns, name), seed, *args,
+                     backend="gloo")
 
 
 def probe_merge(ns, cases):

@@ -12,8 +12,8 @@ spec.py.
 
 Public checks (they run in the student edition too) judge with fixed cases whose values are
 data (``public_cases.json``), invariants, finite differences of the student's own function, and
-the per-token truth that the probes compute with the same helpers the graded code was given
-(:func:`.ranks.per_token_layer`, float64). Hidden checks (``hidden=True`` in spec.py) compare
+the per-token truth that the probes compute with the same functions the graded code calls, the
+student's own (:func:`.ranks.per_token_layer`, float64). Hidden checks (``hidden=True`` in spec.py) compare
 fresh random cases with the instructor's answer key (:func:`.expected.key`); without the key
 they are reserved, never run.
 """

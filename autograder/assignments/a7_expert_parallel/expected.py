@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from autograder.checking.reference import reference_cells
 from autograder.keys import answer_key
 
 from . import ranks as R
@@ -28,10 +27,6 @@ def public_cases() -> dict:
 def key():
     """The answer key module, or None (the student edition)."""
     return answer_key(ASSIGNMENT)
-
-
-#: The answer cell that defines each graded name (keep_mask is in expert_capacity's cell).
-CELL_OF = {"keep_mask": "expert_capacity"}
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -126,10 +121,4 @@ def setup_source() -> str:
 
     ((_, source),) = runnable_cells(get("a7_expert_parallel").release, ["setup"])
     return source
-
-
-def helper_cells(names) -> list | None:
-    """The reference's cells for the graded names a function is graded with."""
-    cells = {CELL_OF.get(n, n) for n in names}
-    return reference_cells(ASSIGNMENT, ["setup", *sorted(cells)]) if names else None
 

@@ -13,7 +13,6 @@ from autograder.checking.expect import (assert_close, fresh_generator, sequence,
 from . import expected as E
 from . import ranks as R
 from .probes import probe_moe, probe_ranks
-from .spec import SPEC
 
 EPS = torch.finfo(torch.float64).eps
 PARAMS = R.PARAMS
@@ -53,13 +52,14 @@ def _key():
 
 
 def _per_token(desc, what: str) -> dict:
-    """The per-token truth a probe computed with the helpers the graded code was given."""
+    """The per-token truth a probe computed with the functions the graded code calls (the
+    student's own)."""
     assert isinstance(desc, dict), "the reply was tampered with"
     if "error" in desc:
         raise AssertionError(
             f"{what}: the per-token computation that this check compares with could not run "
             f"with the route, expert_capacity, keep_mask and load_balancing_loss it uses (your "
-            f"own in your copy; the reference's when your instructor grades): {desc['error']}")
+            f"own: their own checks say what is wrong with them): {desc['error']}")
     grads = desc.get("grads")
     assert isinstance(grads, dict), "the reply was tampered with"
     return {"y": tensor(desc["y"], what)["value"], "aux": tensor(desc["aux"], what)["value"],
@@ -72,8 +72,7 @@ def _per_token(desc, what: str) -> dict:
 def _judge_moe(student, part, truth_of):
     """``part``: "outputs" (y and aux), "gradients" (those only: judged on their own, whatever
     the outputs) or "both"."""
-    helpers = E.helper_cells(SPEC.function("MoELayer").helpers)
-    seed, cases, results = shared_call(student, "moe", E.moe_cases, probe_moe, helpers)
+    seed, cases, results = shared_call(student, "moe", E.moe_cases, probe_moe)
     assert isinstance(results, list) and len(results) == len(cases), "the reply was tampered with"
     for case, res in zip(cases, results):
         what = f"MoELayer ({case['what']})"
@@ -110,9 +109,8 @@ def _moe_key(case, res, what):
 def _run_of(student, name, *extra):
     """``(seed, replies)``: the 4 ranks' replies of ``name``'s one run, shared by its checks
     (``name`` "ExpertParallelMoE bad": the run of ``from_moe``'s bad cases)."""
-    helpers = E.helper_cells(SPEC.function(name.split()[0]).helpers)
     return shared_rank_replies(student, name, R.WORLD, probe_ranks,
-                               lambda seed: (name, seed, helpers, *extra))
+                               lambda seed: (name, seed, *extra))
 
 
 def _each(replies, keys):
@@ -255,8 +253,8 @@ def judge_all_to_alls(student):
 
 def _one_process(student, seed, source, replies, n, truth) -> tuple[list, dict]:
     """One process training the dense model on the same per-chunk losses: with the per-token
-    layer and the helpers train_ep was given (rank 0 of the sandbox computed it), or with the
-    answer key's layer."""
+    layer and the student's own parts that train_ep calls (rank 0 of the sandbox computed it),
+    or with the answer key's layer."""
     if truth == "key":
         return student.shared(f"one process {n}",
                               lambda: _key().one_process_training(seed, source, n))

@@ -2,12 +2,11 @@
 ``expert_capacity``/``keep_mask``, ``load_balancing_loss`` and ``MoELayer`` are called here, in
 the sandbox's own process; ``ExpertParallelMoE`` and ``train_ep`` start on 4 fresh processes
 (:func:`autograder.checking.ranks.run_ranks`; what each runs is in :mod:`.ranks`). They return
-what came back (no judging here). A function graded with others' help gets the reference
-versions of those (:func:`reference_helpers`), so a bug costs one function's points; the
-student edition has no reference, and there they are the student's own. ``MoELayer``,
-``ExpertParallelMoE`` and ``train_ep`` also bring back the per-token truth computed with those
-same helpers (:func:`.ranks.per_token_layer`), and ``load_balancing_loss`` its values at nearby
-logits (finite differences), for the public checks.
+what came back (no judging here). A function that calls others runs with the student's own
+versions of those (as in the student's self-check). ``MoELayer``, ``ExpertParallelMoE`` and
+``train_ep`` also bring back the per-token truth computed with those same functions
+(:func:`.ranks.per_token_layer`), and ``load_balancing_loss`` its values at nearby logits
+(finite differences), for the public checks.
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import types
 
 import torch
 
-from autograder.checking.probes import describe, reference_helpers, student_function
+from autograder.checking.probes import describe, student_function
 from autograder.checking.ranks import run_ranks
 
 from . import ranks
@@ -59,17 +58,36 @@ def _graded(ns, name: str):
     return fn
 
 
-def _helpers(ns, name, helper_cells):
-    holder = types.SimpleNamespace(__globals__=ns)  # where the student's code looks names up
-    return reference_helpers(holder, helper_cells, list(SPEC.function(name).helpers))
-
-
 def _parts(ns) -> tuple:
     """``(route, expert_capacity, keep_mask, load_balancing_loss)`` as ``ns`` has them now."""
     return tuple(ns.get(n) for n in _PARTS)
 
 
-def probe_ranks(ns, name, seed, helper_cells=None, *args):
+def _globals_of(obj) -> dict | None:
+    """The globals that the code of ``obj`` (a function, or a class's methods) looks names up
+    in, or None."""
+    if isinstance(obj, types.FunctionType):
+        return obj.__globals__
+    for value in (vars(obj).values() if isinstance(obj, type) else ()):
+        value = getattr(value, "__func__", value)
+        if isinstance(value, types.FunctionType):
+            return value.__globals__
+    return None
+
+
+def _parts_in_ranks(ns, fn) -> tuple:
+    """The parts as ``fn`` finds them on the ranks that :func:`run_ranks` starts: those get the
+    namespace as loaded (:mod:`autograder.sandbox.as_loaded`), so a part that an earlier check's
+    bad input rebound (a handler that replaces ``keep_mask``) is the loaded one there, whatever
+    ``ns`` holds now; the per-token truth must use what the graded code uses."""
+    from autograder.sandbox import as_loaded
+
+    copy, live = as_loaded.loads(as_loaded.dumps((fn, _parts(ns))))
+    seen = _globals_of(copy) or {}
+    return tuple(seen.get(n, part) for n, part in zip(_PARTS, live))
+
+
+def probe_ranks(ns, name, seed, *args):
     """The 4 ranks' replies of ``name``'s run (on gloo: the checks' tensors are CPU float64);
     for ``train_ep``, rank 0's reply also holds the per-token one-process training. ``name``
     "ExpertParallelMoE bad": only ``from_moe`` on experts that the group cannot split (its own
@@ -77,25 +95,25 @@ def probe_ranks(ns, name, seed, helper_cells=None, *args):
     bad = name == "ExpertParallelMoE bad"
     name = "ExpertParallelMoE" if bad else name
     fn = _graded(ns, name)
-    with _helpers(ns, name, helper_cells):
-        moe_class = student_function(ns, SPEC.function("MoELayer"))
-        if bad:
-            body, extra = ranks.rank_ep_bad, ()
-        elif name == "ExpertParallelMoE":
-            body, extra = ranks.rank_ep, (_parts(ns),)
-        else:
-            body, extra = ranks.rank_train, args
-        try:
-            replies = run_ranks(body, ranks.WORLD, fn, moe_class, seed, *extra, backend="gloo",
-                                timeout=75.0)
-        except RuntimeError as exc:
-            if _LOST.search(str(exc)):
-                raise RuntimeError(str(exc) + _LOST_HINT) from None
-            raise
-        if name == "train_ep" and isinstance(replies, list) and replies and \
-                isinstance(replies[0], dict):
-            replies[0]["per-token"] = ranks.per_token_training(_parts(ns), seed, *args)
-        return replies
+    moe_class = student_function(ns, SPEC.function("MoELayer"))
+    if bad:
+        body, extra = ranks.rank_ep_bad, ()
+    elif name == "ExpertParallelMoE":
+        body, extra = ranks.rank_ep, (_parts_in_ranks(ns, fn),)
+    else:
+        body, extra = ranks.rank_train, args
+    try:
+        replies = run_ranks(body, ranks.WORLD, fn, moe_class, seed, *extra, backend="gloo",
+                            timeout=75.0)
+    except RuntimeError as exc:
+        if _LOST.search(str(exc)):
+            raise RuntimeError(str(exc) + _LOST_HINT) from None
+        raise
+    if name == "train_ep" and isinstance(replies, list) and replies and \
+            isinstance(replies[0], dict):
+        replies[0]["per-token"] = ranks.per_token_training(_parts_in_ranks(ns, fn), seed,
+                                                           *args)
+    return replies
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -172,27 +190,26 @@ def probe_balance(ns, cases):
     return out
 
 
-def probe_moe(ns, cases, helper_cells=None):
+def probe_moe(ns, cases):
     """``MoELayer`` (its given ``__init__``) holding each case's weights: ``forward(x)``,
     backward of (y * upstream).sum() + c * aux; outputs, gradients of x, the router and every
-    expert; and the per-token truth with the same helpers."""
-    with _helpers(ns, "MoELayer", helper_cells):
-        cls = student_function(ns, SPEC.function("MoELayer"))
-        out = []
-        for case in cases:
-            moe = ranks.load_moe(cls, case["state"], case["k"], case["capacity_factor"])
-            x = _leaf(case["x"])
-            result = moe(x)
-            y, aux = result if isinstance(result, (tuple, list)) and len(result) == 2 \
-                else (result, None)
-            ran = all(isinstance(t, torch.Tensor) for t in (y, aux)) and \
-                y.shape == x.shape and aux.numel() == 1 and (y.requires_grad or aux.requires_grad)
-            if ran:
-                ((y * case["upstream"]).sum() + case["c"] * aux.sum()).backward()
-            out.append({"y": describe(y), "aux": describe(aux), "backward_ran": ran,
-                        "x_grad": describe(x.grad),
-                        "grads": {name: describe(p.grad) for name, p in moe.named_parameters()},
-                        "truth": ranks.per_token_truth(_parts(ns), case["state"], case["x"],
-                                                       case["upstream"], case["k"],
-                                                       case["capacity_factor"], case["c"])})
-        return out
+    expert; and the per-token truth with the same functions the layer calls."""
+    cls = student_function(ns, SPEC.function("MoELayer"))
+    out = []
+    for case in cases:
+        moe = ranks.load_moe(cls, case["state"], case["k"], case["capacity_factor"])
+        x = _leaf(case["x"])
+        result = moe(x)
+        y, aux = result if isinstance(result, (tuple, list)) and len(result) == 2 \
+            else (result, None)
+        ran = all(isinstance(t, torch.Tensor) for t in (y, aux)) and \
+            y.shape == x.shape and aux.numel() == 1 and (y.requires_grad or aux.requires_grad)
+        if ran:
+            ((y * case["upstream"]).sum() + case["c"] * aux.sum()).backward()
+        out.append({"y": describe(y), "aux": describe(aux), "backward_ran": ran,
+                    "x_grad": describe(x.grad),
+                    "grads": {name: describe(p.grad) for name, p in moe.named_parameters()},
+                    "truth": ranks.per_token_truth(_parts(ns), case["state"], case["x"],
+                                                   case["upstream"], case["k"],
+                                                   case["capacity_factor"], case["c"])})
+    return out

@@ -1,8 +1,8 @@
 """What each process of Assignment 7's checks runs, and the inputs, groups and weights it shares
 with the grader (the answer key rebuilds them from the same seeds for the hidden checks), and
 the public checks' per-token truth: :func:`per_token_layer`, the dense layer as a plain loop over
-tokens and kept choices, routed by the same helpers the graded code is given (the reference's
-where the grader has them, else the student's own), with its float64 gradients
+tokens and kept choices, routed by the same functions the graded code calls (the student's
+own), with its float64 gradients
 (:func:`layer_truth`), and one process training the dense model (:func:`train_one_process`).
 
 Trusted harness code: a probe starts these on 4 fresh processes with

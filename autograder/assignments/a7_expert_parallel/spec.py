@@ -11,6 +11,8 @@ absent (the student edition).
 """
 from autograder.checking.spec import Check, Function, Spec
 
+#: The parts that MoELayer, ExpertParallelMoE and train_ep build on (the probes' per-token truth
+#: calls the student's own, as the graded code does)
 _PARTS = ("route", "expert_capacity", "keep_mask", "load_balancing_loss")
 
 SPEC = Spec(
@@ -20,12 +22,10 @@ SPEC = Spec(
         Function("expert_capacity", ("num_tokens", "num_experts", "k", "capacity_factor")),
         Function("keep_mask", ("experts", "capacity")),
         Function("load_balancing_loss", ("logits", "experts", "num_experts")),
-        Function("MoELayer", ("d_model", "hidden", "num_experts", "k", "capacity_factor"),
-                 helpers=_PARTS),
+        Function("MoELayer", ("d_model", "hidden", "num_experts", "k", "capacity_factor")),
         Function("ExpertParallelMoE", ("router", "experts", "num_experts", "k",
-                                       "capacity_factor", "group"), helpers=(*_PARTS, "MoELayer")),
-        Function("train_ep", ("model_fn", "data"),
-                 helpers=(*_PARTS, "MoELayer", "ExpertParallelMoE")),
+                                       "capacity_factor", "group")),
+        Function("train_ep", ("model_fn", "data")),
     ),
     checks=(
         Check("route_fixed_cases_invariants_and_value_error", "route", 1, timeout=60),

@@ -2,8 +2,8 @@
 (``per_rank_memory``, ``step_time``, ``best_config``) is called here, in the sandbox's own
 process; ``train_3d`` starts on 8 fresh processes (:func:`autograder.checking.ranks.run_ranks`;
 what each runs is in :mod:`.ranks`). They return what came back as plain data (no judging
-here). ``best_config`` is graded with the reference's ``per_rank_memory`` and ``step_time``
-(:func:`reference_helpers`), so a bug costs one function's points.
+here). ``best_config`` runs with the student's own ``per_rank_memory`` and ``step_time`` (as in
+the student's self-check).
 """
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ import datetime
 import inspect
 import pickle
 import re
-import types
 
 import torch.distributed as dist
 
-from autograder.checking.probes import error_of, plain, reference_helpers, student_function
+from autograder.checking.probes import error_of, plain, student_function
 from autograder.checking.ranks import run_ranks
 
 from . import ranks
@@ -48,13 +47,10 @@ def probe_cost(ns, name, cases, bad):
     return _calls(fn, cases), [error_of(lambda c=c: fn(*copy.deepcopy(c))) for c in bad]
 
 
-def probe_best(ns, cases, helper_cells=None):
-    """``best_config`` on each case, with the reference's per_rank_memory and step_time
-    where the reference is at hand: its result, or what it raised."""
-    fn = student_function(ns, SPEC.function("best_config"))
-    names = list(SPEC.function("best_config").helpers)
-    with reference_helpers(types.SimpleNamespace(__globals__=ns), helper_cells, names):
-        return _calls(fn, cases)
+def probe_best(ns, cases):
+    """``best_config`` on each case (with the student's own per_rank_memory and step_time):
+    its result, or what it raised."""
+    return _calls(student_function(ns, SPEC.function("best_config")), cases)
 
 
 def _train_3d(ns):

@@ -2,13 +2,13 @@
 the grader.
 
 ``per_rank_memory``, ``step_time`` and ``best_config`` run in the sandbox's own process;
-``best_config`` with the reference's ``per_rank_memory`` and ``step_time`` (where the reference
-is at hand), so that a bug costs one function's points. Each is checked publicly on fixed cases
-whose values are stored as data (public_cases.json) and, with the instructor's answer key, on
-hidden and random cases (``hidden=True``: reserved for the instructor's grading). ``train_3d``
-runs once on 8 fresh processes that train every mesh of the checks in turn (:mod:`.ranks`): that
-one run is shared by all of its checks, each judging one thing (the states, the losses, the
-groups). A8 has no speed check. Per-call timeouts are several
+``best_config`` with the student's own ``per_rank_memory`` and ``step_time`` (as in the
+student's self-check), so that a bug in those can also cost its checks. Each is checked
+publicly on fixed cases whose values are stored as data (public_cases.json) and, with the
+instructor's answer key, on hidden and random cases (``hidden=True``: reserved for the
+instructor's grading). ``train_3d`` runs once on 8 fresh processes that train every mesh of the
+checks in turn (:mod:`.ranks`): that one run is shared by all of its checks, each judging one
+thing (the states, the losses, the groups). A8 has no speed check. Per-call timeouts are several
 times what the reference takes on a busy 2-core machine (process start-up included).
 """
 from autograder.checking.spec import Check, Function, Spec
@@ -18,8 +18,7 @@ SPEC = Spec(
     functions=(
         Function("per_rank_memory", ("model_cfg", "par_cfg")),
         Function("step_time", ("model_cfg", "par_cfg", "hw_cfg")),
-        Function("best_config", ("model_cfg", "hw_cfg", "world_size"),
-                 helpers=("per_rank_memory", "step_time")),
+        Function("best_config", ("model_cfg", "hw_cfg", "world_size")),
         Function("train_3d", ("model_fn", "data")),
     ),
     checks=(

@@ -16,7 +16,9 @@ exactly that step's values), and the next save must work.
 restarted on another number and killed again) run once and shared by its three checks: bitwise
 against the uninterrupted job, float64 against one process, and the samples each step read.
 ``async_save``: its state changed right after the call while its writer is held; its speed
-counts only when that check passes. Points: spec.py.
+counts only when that check passes. ``train_resumable`` and ``async_save`` run with the
+student's own ``save_checkpoint`` and ``load_latest`` (as in the student's self-check), and the
+saved state is read back with that ``load_latest``. Points: spec.py.
 """
 from __future__ import annotations
 
@@ -242,8 +244,7 @@ def _jobs(student):
     def run():
         seed = _seed()
         jobs = _kill_plan(seed)
-        helpers = E.helper_cells(SPEC.function("train_resumable").helpers)
-        reply = student.call(probe_resumable, seed, jobs, helpers)
+        reply = student.call(probe_resumable, seed, jobs)
         assert isinstance(reply, list) and len(reply) == len(jobs), "the reply was tampered with"
         return seed, jobs, reply
     return student.shared("train_resumable", run)
@@ -355,8 +356,7 @@ def _async_correct(student):
     """The correctness run, shared by both checks (a speed counts only for a correct save)."""
     def run():
         seed = _seed()
-        helpers = E.helper_cells(SPEC.function("async_save").helpers)
-        reply = student.call(probe_async, seed, RANDOM_NUMEL, helpers)
+        reply = student.call(probe_async, seed, RANDOM_NUMEL)
         assert isinstance(reply, dict), "the reply was tampered with"
         if "error" in reply:
             raise AssertionError(reply["error"])
@@ -377,8 +377,7 @@ def test_async_save_returns_before_the_save_is_written(student):
         _async_correct(student)
     except AssertionError as exc:
         raise AssertionError(f"not counted: async_save is not correct ({exc})") from None
-    helpers = E.helper_cells(SPEC.function("async_save").helpers)
-    times = student.call(probe_async_timing, ASYNC_NUMEL, 3, helpers)
+    times = student.call(probe_async_timing, ASYNC_NUMEL, 3)
     assert isinstance(times, list) and len(times) == 3, "the reply was tampered with"
     blocked = sorted(b for b, _ in times)[1]
     total = sorted(t for _, t in times)[1]

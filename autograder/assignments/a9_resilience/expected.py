@@ -179,10 +179,3 @@ def one_process_training(seed: int):
                 velocity[n].mul_(0.9).add_(grad)
                 p.sub_(R.LR * velocity[n])
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def helper_cells(names) -> list | None:
-    """The reference's cells for the graded functions train_resumable is graded with."""
-    from autograder.checking.reference import reference_cells
-
-    return reference_cells("a9_resilience", ["setup", *sorted(names)]) if names else None

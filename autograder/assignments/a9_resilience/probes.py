@@ -205,49 +205,47 @@ def _read_logs(folder) -> dict:
     return logs
 
 
-def probe_resumable(ns, seed, jobs, helper_cells=None):
+def probe_resumable(ns, seed, jobs):
     """Each job (a list of ``(world_size, kill)`` runs, ``kill`` = ``(rank, step)`` or None)
     in a fresh checkpoint folder: every run until one ends without a planned kill. Returns per
     job the runs' errors, the logs and the last run's final parameters (rank 0's). A run whose
     ranks are still running at the timeout (a restart that deadlocks, say) ends the probe: the
-    runs and jobs after it are not started, and say why (a hang costs one timeout)."""
-    from autograder.checking.probes import reference_helpers
+    runs and jobs after it are not started, and say why (a hang costs one timeout). The runs
+    use the student's own save_checkpoint and load_latest (as in the student's self-check)."""
     from autograder.checking.ranks import RanksTimedOut, run_ranks
 
     from . import ranks
 
     fn = _train_resumable(ns)
-    names = list(SPEC.function("train_resumable").helpers)
     out, hung = [], None
-    with reference_helpers(fn, helper_cells, names):
-        for job in jobs:
-            if hung is not None:
-                out.append({"runs": [], "logs": {}, "state": None, "not_run": hung})
-                continue
-            root = tempfile.mkdtemp(prefix="a9-job-")
-            folder, directory = os.path.join(root, "logs"), os.path.join(root, "checkpoints")
-            os.mkdir(folder)
-            runs, state = [], None
-            try:
-                for run, (world, kill) in enumerate(job):
-                    try:
-                        result = run_ranks(ranks.rank_resumable, world, fn, seed, folder,
-                                           directory, run, kill, backend="gloo", timeout=60.0,
-                                           collective_timeout=10.0)
-                        runs.append({"world": world, "kill": kill, "error": None})
-                        state = result[0]
-                    except RuntimeError as exc:
-                        timed_out = isinstance(exc, RanksTimedOut)
-                        runs.append({"world": world, "kill": kill, "error": str(exc)[-1500:],
-                                     "timed_out": timed_out})
-                        if timed_out:
-                            hung = (f"not run: run {run + 1} of an earlier job (on {world} "
-                                    "ranks) hung, and this one would have waited as long")
-                        if kill is None or timed_out:
-                            break
-                out.append({"runs": runs, "logs": _read_logs(folder), "state": state})
-            finally:
-                shutil.rmtree(root, ignore_errors=True)
+    for job in jobs:
+        if hung is not None:
+            out.append({"runs": [], "logs": {}, "state": None, "not_run": hung})
+            continue
+        root = tempfile.mkdtemp(prefix="a9-job-")
+        folder, directory = os.path.join(root, "logs"), os.path.join(root, "checkpoints")
+        os.mkdir(folder)
+        runs, state = [], None
+        try:
+            for run, (world, kill) in enumerate(job):
+                try:
+                    result = run_ranks(ranks.rank_resumable, world, fn, seed, folder,
+                                       directory, run, kill, backend="gloo", timeout=60.0,
+                                       collective_timeout=10.0)
+                    runs.append({"world": world, "kill": kill, "error": None})
+                    state = result[0]
+                except RuntimeError as exc:
+                    timed_out = isinstance(exc, RanksTimedOut)
+                    runs.append({"world": world, "kill": kill, "error": str(exc)[-1500:],
+                                 "timed_out": timed_out})
+                    if timed_out:
+                        hung = (f"not run: run {run + 1} of an earlier job (on {world} "
+                                "ranks) hung, and this one would have waited as long")
+                    if kill is None or timed_out:
+                        break
+            out.append({"runs": runs, "logs": _read_logs(folder), "state": state})
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     return out
 
 
@@ -297,57 +295,51 @@ def _mutate(state):
     state["history"].append(-1)
 
 
-def probe_async(ns, seed, numel, helper_cells=None):
+def probe_async(ns, seed, numel):
     """async_save of step 2's state, which this process then changes while the writer (a
     thread of this process, held at its first file call until then) waits; then wait() and a
-    load (the reference's save_checkpoint and load_latest where at hand)."""
+    load (the student's own save_checkpoint and load_latest, as in the self-check)."""
     import threading
 
-    from autograder.checking.probes import reference_helpers
-
     fn = student_function(ns, SPEC.function("async_save"))
+    load = student_function(ns, SPEC.function("load_latest"))
     root = tempfile.mkdtemp(prefix="a9-async-")
     released = threading.Event()
     try:
-        with reference_helpers(fn, helper_cells, ["save_checkpoint", "load_latest"]):
-            load = ns["load_latest"]
-            d = os.path.join(root, "run")
-            state = E.checkpoint_state(2, seed, numel)
-            undo = _gate(released)
-            try:
-                handle = fn(d, state, 2)
-                _mutate(state)
-            finally:
-                released.set()
-                undo()
-            if not callable(getattr(handle, "wait", None)):
-                return {"error": f"async_save returned {type(handle).__name__}, which has no "
-                                 "wait()"}
-            handle.wait()
-            return {"loaded": _load(load, d, numel)}
+        d = os.path.join(root, "run")
+        state = E.checkpoint_state(2, seed, numel)
+        undo = _gate(released)
+        try:
+            handle = fn(d, state, 2)
+            _mutate(state)
+        finally:
+            released.set()
+            undo()
+        if not callable(getattr(handle, "wait", None)):
+            return {"error": f"async_save returned {type(handle).__name__}, which has no "
+                             "wait()"}
+        handle.wait()
+        return {"loaded": _load(load, d, numel)}
     finally:
         released.set()
         shutil.rmtree(root, ignore_errors=True)
 
 
-def probe_async_timing(ns, numel, rounds=3, helper_cells=None):
+def probe_async_timing(ns, numel, rounds=3):
     """``[(seconds async_save blocked, seconds until wait() returned)]`` for a state of
     ``numel`` float32s, ``rounds`` times."""
-    from autograder.checking.probes import reference_helpers
-
     fn = student_function(ns, SPEC.function("async_save"))
     root = tempfile.mkdtemp(prefix="a9-async-time-")
     try:
-        with reference_helpers(fn, helper_cells, ["save_checkpoint", "load_latest"]):
-            state = {"weight": torch.randn(numel), "step": 0}
-            times = []
-            for k in range(rounds):
-                start = time.perf_counter()
-                handle = fn(os.path.join(root, "run"), state, k)
-                blocked = time.perf_counter() - start
-                handle.wait()
-                times.append((blocked, time.perf_counter() - start))
-            return times
+        state = {"weight": torch.randn(numel), "step": 0}
+        times = []
+        for k in range(rounds):
+            start = time.perf_counter()
+            handle = fn(os.path.join(root, "run"), state, k)
+            blocked = time.perf_counter() - start
+            handle.wait()
+            times.append((blocked, time.perf_counter() - start))
+        return times
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -19,10 +19,8 @@ SPEC = Spec(
         Function("diagnose", ("traces",)),
         Function("save_checkpoint", ("directory", "state", "step")),
         Function("load_latest", ("directory", "state")),
-        Function("train_resumable", ("model_fn", "dataset"),
-                 helpers=("save_checkpoint", "load_latest")),
-        Function("async_save", ("directory", "state", "step"),
-                 helpers=("save_checkpoint", "load_latest")),
+        Function("train_resumable", ("model_fn", "dataset")),
+        Function("async_save", ("directory", "state", "step")),
     ),
     checks=(
         Check("diagnose_fixed_cases", "diagnose", 2, timeout=30),
