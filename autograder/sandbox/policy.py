@@ -44,9 +44,10 @@ _SYSTEM = ("/usr", "/opt/conda")
 #: uid 65534, name resolution of localhost, the time zone): not the rest (shadow, ssh keys).
 _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "nsswitch.conf",
         "hosts", "host.conf", "gai.conf", "localtime", "timezone", "alternatives")
-#: Of /sys, the devices (CPU topology for torch, PCI for CUDA), read-only: not the kernel's
+#: Of /sys, the devices (CPU topology for torch, PCI for CUDA; the nvidia module's version for
+#: its driver library), read-only: not the kernel's
 #: debug and tracing files, firmware tables or cgroups.
-_SYS = ("/sys/devices", "/sys/bus", "/sys/class", "/sys/dev")
+_SYS = ("/sys/devices", "/sys/bus", "/sys/class", "/sys/dev", "/sys/module")
 #: Files of the new /proc that root (which graded code's uid is, outside, when the grader runs
 #: as root) could write without any capability: kernel settings and the SysRq trigger.
 _PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger")
@@ -120,7 +121,7 @@ def bwrap_command(scratch: Path) -> list[str]:
         cmd += ["--ro-bind-try", path, path]
     cmd += ["--dev", "/dev",
             "--perms", "1777", "--size", str(TMPFS_BYTES), "--tmpfs", "/dev/shm"]
-    for dev in [*_GPU_DEVICES, *sorted(glob.glob("/dev/nvidia[0-9]*"))]:
+    for dev in [*_GPU_DEVICES, *sorted(glob.glob("/dev/nvidia[0-9]*")), "/dev/nvidia-caps"]:
         if os.path.exists(dev):
             cmd += ["--dev-bind", dev, dev]
     cmd += ["--bind", str(scratch), str(scratch), "--chdir", str(scratch), "--"]
