@@ -48,10 +48,19 @@ def shared_rank_replies(student, key: str, world: int, probe, args_of) -> tuple[
     return student.shared(key, run)
 
 
+#: What :func:`~autograder.checking.probes.describe` names an ``nn.Parameter`` (and the lazy
+#: modules' parameter before its first call).
+_PARAMETERS = {"torch.nn.parameter.Parameter", "torch.nn.parameter.UninitializedParameter"}
+
+
 def tensor(desc, what: str) -> dict:
     """Assert ``desc`` describes a plain ``torch.Tensor``; return the description."""
     assert isinstance(desc, dict), f"{what}: the probe's reply was tampered with"
     if desc.get("kind") == "other":
+        if desc.get("type") in _PARAMETERS:  # a Parameter is a tensor: say what is wrong with it
+            raise AssertionError(
+                f"{what} is an nn.Parameter; the grader takes plain tensors only: return e.g. "
+                "p.detach(), or a new tensor with requires_grad=True where the text asks for it")
         raise AssertionError(f"{what} should be a torch.Tensor, got {desc.get('type')}")
     if desc.get("kind") != "tensor":
         got = desc.get("kind") if desc.get("kind") != "plain" else type(desc.get("value")).__name__

@@ -231,8 +231,13 @@ def run_checks(assignment: str, cells: list[tuple[str, str]], *, objects: bytes 
                                              if calibration else "the spec's defaults"))
     if not measure_speed:
         report.notes.append("speed checks not run (--speed skip)")
-    if not key_present:
-        report.notes.append("no answer key here (the student edition): the public checks ran; "
-                            "hidden checks are reserved for your instructor's grading")
+    from ..keys import is_reserved
+
+    reserved = [r for r in collector.results if is_reserved(r)]
+    if not key_present and reserved:  # only where this run left hidden checks out
+        report.notes.append(
+            f"no answer key here (the student edition): the public checks ran; {len(reserved)} "
+            f"hidden check(s), {sum(r.max_points for r in reserved):g} point(s), are checked "
+            "when your instructor grades")
     report.notes.append(f"graded in {time.monotonic() - start:.1f} s")
     return report

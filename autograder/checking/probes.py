@@ -4,13 +4,9 @@ Judging happens in the grader (:mod:`autograder.checking.expect`). No pytest her
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
-
-from ..sandbox import as_loaded
-from .reference import reference_namespace
 
 
 def student_function(ns: dict, name, params=None):
@@ -31,27 +27,6 @@ def student_function(ns: dict, name, params=None):
     except ValueError:
         pass
     return fn
-
-
-@contextlib.contextmanager
-def reference_helpers(fn, cells: list[tuple[str, str]] | None, names: list[str]):
-    """While inside, the names ``fn`` looks up globally are the reference versions (when
-    ``cells`` are given), so a check grades ``fn`` alone; the student's are put back after."""
-    if not cells:
-        yield
-        return
-    reference = reference_namespace(cells)
-    g = fn.__globals__
-    saved = {n: g[n] for n in names if n in g}
-    swapped = {n: reference[n] for n in names if n in reference}
-    g.update(swapped)
-    try:
-        with as_loaded.override(swapped):  # and in the ranks' copy of the namespace
-            yield
-    finally:
-        for n in names:
-            g.pop(n, None)
-        g.update(saved)
 
 
 def describe(value):

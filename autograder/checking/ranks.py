@@ -248,18 +248,15 @@ _SERVERS: dict[str, RankServer] = {}
 
 
 def probe_server_start(ns, key: str, function, setup, world_size: int, args: tuple,
-                       helper_cells=None, helpers=(), backend=None) -> None:
+                       backend=None) -> None:
     """Start ranks running ``setup`` with the namespace's ``function`` (a spec Function: a
-    function or a class); while they start, the graded functions it calls (``helpers``) are the
-    reference's where ``helper_cells`` are given."""
-    from .probes import reference_helpers, student_function
+    function or a class): the student's own, calling the student's own versions of the other
+    graded functions."""
+    from .probes import student_function
 
     probe_server_stop(ns, key)
     fn = student_function(ns, function)
-    owner = fn.__init__ if isinstance(fn, type) else fn  # where a class's code looks names up
-    cells = helper_cells if hasattr(owner, "__globals__") else None
-    with reference_helpers(owner, cells, list(helpers)):
-        _SERVERS[key] = RankServer(setup, fn, world_size, *args, backend=backend)
+    _SERVERS[key] = RankServer(setup, fn, world_size, *args, backend=backend)
 
 
 def probe_server_run(ns, key: str, command: str, count: int = 1) -> None:

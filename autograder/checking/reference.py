@@ -1,10 +1,12 @@
 """The reference solution, where it is at hand (the instructor's repository; the student edition
 has no ``solutions/``): its cells, and a namespace holding its definitions.
 
-Used by probes to grade a function with the reference versions of the helpers it calls
-(:func:`autograder.checking.probes.reference_helpers`), by the speed checks to measure the
-reference in a sandbox of its own, and by the benchmark. The namespace's ``__name__`` is not an
-importable module, so cloudpickle sends its functions to ranks by value.
+Used by the speed checks, to measure the reference in a sandbox of its own that never runs
+student code (:func:`autograder.checking.speed.reference_sandbox`), and by the benchmark
+(``autograder.bench``). Nothing of it is sent into a sandbox that runs student code: there,
+every function is graded with the student's own versions of the functions it calls. The
+namespace's ``__name__`` is not an importable module, so cloudpickle sends its functions to
+ranks by value.
 """
 from __future__ import annotations
 
@@ -29,8 +31,3 @@ def reference_namespace(cells: list[tuple[str, str]]) -> dict:
         for cell_id, source in cells:
             exec(compile(source, f"<reference {cell_id}>", "exec", dont_inherit=True), ns)
     return ns
-
-
-def reference_function(cells: list[tuple[str, str]] | None, name: str):
-    """The reference's ``name`` from ``cells``, or None without cells (the student edition)."""
-    return reference_namespace(cells)[name] if cells else None

@@ -156,15 +156,58 @@ def judge_rounds(one_round, *, what: str, fixed_threshold: float, reference_mini
         print(f"{what}: {median(mine):.2f}x (needed {fixed_threshold:.2f}x; {rounds})")
 
 
-def timed_rounds(student, assignment: str, servers, one_round, verify, *, helper_cells=None,
-                 reference_only=(), **judging) -> None:
+class CountingCalls:
+    """A ``call(probe, *args)`` into a sandbox that counts the commands it sent to ranks that
+    stay up (:func:`~.ranks.probe_server_run` calls that returned): ``sent(key, command)``.
+
+    Why: the speed checks time round trips into the sandbox, whose Python the submission
+    controls; a cell can replace a probe with one that returns at once. A timed run counts only
+    if its ranks did all the work the grader asked for: each check compares what the ranks
+    report they did (steps run, commands completed) with this count, which is the grader's own,
+    and fails "the timed run did N ... where the grader asked for M" otherwise."""
+
+    def __init__(self, call):
+        self._call = call
+        self._sent: dict[tuple[str, str], int] = {}
+
+    def __call__(self, probe, *args):
+        from .ranks import probe_server_run
+
+        result = self._call(probe, *args)
+        if probe is probe_server_run:
+            key, command, *count = args
+            n = count[0] if count else 1
+            self._sent[key, command] = self._sent.get((key, command), 0) + n
+        return result
+
+    def sent(self, key: str, command: str) -> int:
+        """How many ``command`` s the ranks of ``key`` were asked to run (in calls that
+        returned)."""
+        return self._sent.get((key, command), 0)
+
+
+def check_work_done(done, sent: int, what: str, unit: str = "steps") -> None:
+    """The ranks of a timed run report ``done`` (one count per rank) where the grader sent
+    ``sent``: every timed call must have done its work."""
+    assert isinstance(done, list) and done and all(type(d) is int for d in done), \
+        f"{what}: the ranks' reply was tampered with"
+    for rank, d in enumerate(done):
+        assert d == sent, (
+            f"{what}: the timed run did {d} {unit} where the grader asked for {sent}"
+            + (f" (rank {rank})" if len(done) > 1 else "")
+            + ": a timed call returned without doing its work")
+
+
+def timed_rounds(student, assignment: str, servers, one_round, verify, *, reference_only=(),
+                 **judging) -> None:
     """Start ``servers`` ([(key, function, setup, world size, args, backend, warm-up
     commands)]: :class:`~.ranks.RankServer` s) in the student's sandbox and in a reference
     sandbox; judge ``one_round(i, student_call, reference_call)`` in interleaved rounds
-    (:func:`judge_rounds`, with ``judging``); then stop the student's and ``verify`` what their
-    ranks returned ({key: ranks' results}), even when the speed is not judged here (a SKIP is
-    raised after that). ``helper_cells``: the reference's cells for the graded functions the
-    student's function calls (the reference sandbox has its own). ``reference_only``: keys of
+    (:func:`judge_rounds`, with ``judging``); then stop the student's and ``verify(results,
+    sent)`` what their ranks returned (``results``: {key: ranks' results}) and did (``sent``:
+    the :meth:`CountingCalls.sent` of the calls into the student's sandbox, to compare with the
+    work the ranks report), even when the speed is not judged here (a SKIP is raised only after
+    that: a timed run that did less than it was asked fails). ``reference_only``: keys of
     servers that run the baseline (:func:`against_trusted_baseline`): started in the reference's
     sandbox alone where there is one, so ``verify`` gets no results for them; in the student
     edition, in the student's."""
@@ -174,23 +217,24 @@ def timed_rounds(student, assignment: str, servers, one_round, verify, *, helper
     from .spec import load_spec
 
     spec = load_spec(assignment)
+    student_call = CountingCalls(student.call)
     with reference_sandbox(assignment) as reference:
         mine = [s for s in servers if reference is None or s[0] not in reference_only]
-        sides = ((student.call, helper_cells, mine), (reference, None, servers))
-        for call, cells, started in sides:
+        sides = ((student_call, mine), (reference, servers))
+        for call, started in sides:
             for key, function, setup, world_size, args, backend, warmup in started:
                 if call is None:  # the student edition: no reference to compare with
                     break
                 f = spec.function(function)
-                call(probe_server_start, key, f, setup, world_size, args, cells, f.helpers, backend)
+                call(probe_server_start, key, f, setup, world_size, args, backend)
                 for command in warmup:
                     call(probe_server_run, key, command)
         skipped = None
         try:
-            judge_rounds(lambda i: one_round(i, student.call, reference),
+            judge_rounds(lambda i: one_round(i, student_call, reference),
                          has_reference=reference is not None, **judging)
         except pytest.skip.Exception as exc:  # the reference cannot show it: still verify
             skipped = exc
-        verify({key: student.call(probe_server_stop, key) for key, *_ in mine})
+        verify({key: student.call(probe_server_stop, key) for key, *_ in mine}, student_call.sent)
     if skipped is not None:
         raise skipped

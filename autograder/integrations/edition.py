@@ -68,8 +68,9 @@ NOTE = """\
 >   self-check asks for a **stated fixed threshold** instead and its message says so; on the
 >   grading hardware the result may differ. Without the GPUs a speedup check needs, it is
 >   skipped and the reason is shown.
-> - A function is graded with the reference versions of the helpers it calls, so one bug costs
->   the points of one function; here your own helpers are used.
+> - A function is graded with your own versions of the other graded functions it calls, here
+>   and in your instructor's grading alike, so a bug in one can also cost checks of those that
+>   call it.
 > - **Hidden checks** (fresh random cases against the instructor's answer key, hidden cases)
 >   run only where the key is: when your instructor grades. Here they show as SKIP, "checked
 >   when your instructor grades", and the report says how many points were checked here and how

@@ -17,9 +17,9 @@ upload"). It holds:
   (``solutions/<assignment>/answer_key.py``, if it has one): the hidden checks run on
   Gradescope's servers, which students never see, and graded code runs as the unprivileged
   ``grader`` user, who cannot read it. Not the reference notebook, unless ``--with-reference``: then
-  functions are graded with the reference versions of the helpers they call, and speedup
-  checks compare with the reference (Gradescope's machines have no GPUs, so those are skipped
-  with the reason either way).
+  speedup checks compare with the reference, measured in a sandbox of its own that never runs
+  student code (Gradescope's machines have no GPUs, so those are skipped with the reason either
+  way). Functions are graded with the student's own helpers either way.
 
 ``python -m autograder gradescope run`` is what ``run_autograder`` calls.
 """
@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--assignment", required=True, choices=sorted(ASSIGNMENTS))
     b.add_argument("--out", required=True, help="folder for the zip")
     b.add_argument("--with-reference", action="store_true",
-                   help="include solutions/<assignment> (reference helpers and speedups)")
+                   help="include solutions/<assignment>'s reference notebook: speedup checks "
+                        "compare with it (measured in a sandbox of its own)")
     b.add_argument("--torch-index", default=CPU_INDEX,
                    help="wheel index for torch/torchvision ('' for PyPI's CUDA wheels)")
     b.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,

@@ -14,9 +14,6 @@ with every object that was in the namespace at load time replaced by a reference
 snapshot (:func:`dumps`), and each rank rebuilds the snapshot and resolves the references
 (:func:`loads`): the ranks see the cells' state as loaded, whatever earlier checks left behind.
 
-While :func:`autograder.checking.probes.reference_helpers` puts the reference's versions of some
-functions in place, those go along (:func:`override`) and are put into the snapshot's globals.
-
 Runs on one rank in the grader's own process (no process start) use the live objects; they do
 so only while :func:`changed_since_load` says nothing a run could see has changed.
 
@@ -24,7 +21,6 @@ Runs in the sandbox and in ranks, beside student code: never imports pytest.
 """
 from __future__ import annotations
 
-import contextlib
 import io
 import pickle
 import types
@@ -39,7 +35,6 @@ _at_load: dict[str, object] = {}           # name -> the object as loaded (all o
 _loaded: dict[str, object] | None = None   # those in the snapshot
 _snapshot: bytes | None = None             # cloudpickle of those objects (picklable ones)
 _shallow: dict[str, object] = {}           # name -> a shallow copy of its contents, to compare
-_overrides: dict[str, object] = {}         # name -> the reference's object, while in place
 
 
 def _pickler_class():
@@ -111,28 +106,16 @@ def record(ns: dict) -> list[str]:
     return left_out
 
 
-@contextlib.contextmanager
-def override(objects: dict[str, object]):
-    """While inside, runs put ``objects`` (the reference's helpers) into the snapshot's globals."""
-    saved = dict(_overrides)
-    _overrides.update(objects)
-    try:
-        yield
-    finally:
-        _overrides.clear()
-        _overrides.update(saved)
-
-
 def changed_since_load() -> bool:
     """Whether a run from the live namespace could see something other than the cells' state
     as loaded: a name bound, rebound or deleted, or the attributes or items of a loaded object
-    changed (one level deep). The reference's helpers put in place on purpose do not count."""
+    changed (one level deep)."""
     if _loaded is None or _live is None:
         return False
-    live = {n: v for n, v in _student_names(_live).items() if n not in _overrides}
-    if set(live) != set(_at_load) - set(_overrides):
+    live = _student_names(_live)
+    if set(live) != set(_at_load):
         return True
-    if any(live[n] is not v for n, v in _at_load.items() if n not in _overrides):
+    if any(live[n] is not v for n, v in _at_load.items()):
         return True
     for name, before in _shallow.items():
         after = _contents(_loaded[name])
@@ -156,37 +139,20 @@ def dumps(obj) -> bytes:
             name = by_id.get(id(value))
             return name if name is not None and _loaded[name] is value else None
 
-    overrides = _dumps(dict(_overrides)) if _overrides else None
-    return pickle.dumps((_snapshot, overrides, _dumps(obj, _Pickler)))
+    return pickle.dumps((_snapshot, _dumps(obj, _Pickler)))
 
 
 def loads(data: bytes):
     """In a rank: the object :func:`dumps` sent, its references resolved into a fresh copy of
-    the namespace as loaded (with the reference's helpers in place, if any were)."""
-    snapshot, overrides, payload = pickle.loads(data)
+    the namespace as loaded."""
+    snapshot, payload = pickle.loads(data)
     objects = pickle.loads(snapshot) if snapshot is not None else {}
-    if overrides is not None:
-        reference = pickle.loads(overrides)
-        for g in {id(f.__globals__): f.__globals__ for f in _functions(objects.values())}.values():
-            g.update(reference)
 
     class _Unpickler(pickle.Unpickler):
         def persistent_load(self, name):
             return objects[name]
 
     return _Unpickler(io.BytesIO(payload)).load()
-
-
-def _functions(values):
-    """The functions among ``values`` and the methods of the classes among them."""
-    for v in values:
-        if isinstance(v, types.FunctionType):
-            yield v
-        elif isinstance(v, type):
-            for attr in vars(v).values():
-                attr = getattr(attr, "__func__", attr)  # staticmethod / classmethod
-                if isinstance(attr, types.FunctionType):
-                    yield attr
 
 
 def exact_float32() -> None:

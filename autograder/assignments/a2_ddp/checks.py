@@ -16,7 +16,8 @@ The speed checks keep ranks up (:class:`~autograder.checking.ranks.RankServer`) 
 the student's, in the student's sandbox, and the reference solution's, in a sandbox of its own
 (:func:`~autograder.checking.speed.reference_sandbox`) whose processes never ran student code.
 The grader times each command from its own process, in rounds that alternate between the two
-(:func:`~autograder.checking.speed.judge_rounds`), then checks that the timed code's results
+(:func:`~autograder.checking.speed.judge_rounds`), then checks that the timed code ran as
+often as the grader asked (its ranks count the commands they completed) and that its results
 were right. Each speedup's baseline (``dist.all_reduce``; one process training) is timed in the
 reference's ranks only (:func:`~autograder.checking.speed.against_trusted_baseline`): student
 code cannot slow it to inflate its own speedup.
@@ -31,7 +32,8 @@ from autograder.checking.expect import (assert_close, assert_close_float32, fres
                                         float32_tolerance_of_all, sequence, tensor)
 from autograder.checking.harness import skip_unless
 from autograder.checking.ranks import probe_server_run
-from autograder.checking.speed import against_trusted_baseline, timed, timed_rounds
+from autograder.checking.speed import (against_trusted_baseline, check_work_done, timed,
+                                       timed_rounds)
 from course import FULL_RUN
 from course.devices import gpu_count
 
@@ -189,9 +191,15 @@ def test_ring_allreduce_bandwidth(student):
     sizes = [RING_TIMED_NUMEL]
     warmup = [f"ring-{RING_TIMED_NUMEL}", f"all_reduce-{RING_TIMED_NUMEL}"]
 
-    def verify(results):  # the ring that was timed summed right, with point-to-point only
-        for rank, r in enumerate(results["ring"]):
-            tensors = r.get("tensors") if isinstance(r, dict) else None
+    def verify(results, sent):  # the ring that was timed ran every time it was asked to,
+        ranks = results["ring"]    # summed right, with point-to-point only
+        assert isinstance(ranks, list) and len(ranks) == 2 and all(
+            isinstance(r, dict) and isinstance(r.get("calls"), list) and len(r["calls"]) == 1
+            for r in ranks), "the timed ranks' reply was tampered with"
+        check_work_done([r["calls"][0] for r in ranks], sent("ring", f"ring-{RING_TIMED_NUMEL}"),
+                        "the timed ring_allreduce", "ring_allreduce calls")
+        for rank, r in enumerate(ranks):
+            tensors = r.get("tensors")
             assert isinstance(tensors, list) and len(tensors) == 1, \
                 "the timed ranks' reply was tampered with"
             _judge_ring_result({"tensor": tensors[0], "collectives": r.get("collectives")}, 2,
@@ -346,11 +354,16 @@ def test_train_ddp_weak_scaling_two_processes(student):
     servers = [(f"train{w}", "train_ddp", train_server, w, scaling_args(w, seed),
                 scaling_backend(), ["warmup"]) for w in (1, 2)]
 
-    def verify(results):  # the timed runs trained right (the one process: in the student edition)
-        for w in (1, 2):
-            if f"train{w}" in results:
-                judge_training(results[f"train{w}"], w, *scaling_args(w, seed),
-                               f"the timed train_ddp on {w} process(es)")
+    def verify(results, sent):  # the timed runs ran every time they were asked to and trained
+        for w in (1, 2):           # right (the one process: in the student edition)
+            key, what = f"train{w}", f"the timed train_ddp on {w} process(es)"
+            if key in results:
+                ranks = results[key]
+                assert isinstance(ranks, list) and len(ranks) == w and all(
+                    isinstance(r, dict) for r in ranks), f"{what}: reply tampered with"
+                check_work_done([r.get("trained") for r in ranks], sent(key, "train"), what,
+                                "train_ddp calls")
+                judge_training(ranks, w, *scaling_args(w, seed), what)
 
     where = "2 GPUs" if gpu_count() >= 2 else "2 CPU processes, one thread each,"
     # below 1.25x for the reference, 80% of it would not even ask 2 processes to beat 1: the

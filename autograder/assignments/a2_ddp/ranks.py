@@ -192,14 +192,17 @@ def ring_server(rank, world_size, fn, seed, sizes):
     """Commands ``ring-N`` (the ring ``fn`` on this rank's float32 tensor of N elements,
     restored first, collectives counted as :func:`rank_ring` counts them) and
     ``all_reduce-N`` (the same with dist.all_reduce, on a tensor of its own), for each N in
-    ``sizes``; ``result``: the ring's tensors after its last call, in ``sizes`` order, and the
-    collectives it called. Large blocks come fresh from the system (:func:`fresh_large_blocks`)."""
+    ``sizes``; ``result``: the ring's tensors after its last call, in ``sizes`` order, the
+    collectives it called, and how many ring calls completed per size (``calls``: each call
+    starts from the same tensor, so only this count tells a skipped call from a done one).
+    Large blocks come fresh from the system (:func:`fresh_large_blocks`)."""
     fresh_large_blocks()
     device = device_for(rank)
     originals = [ring_input(seed, rank, (n,), torch.float32).to(device) for n in sizes]
     ring = [o.clone() for o in originals]
     builtin = [o.clone() for o in originals]
     counts: dict[str, int] = {}
+    calls = [0] * len(sizes)
 
     def run_ring(i):
         ring[i].copy_(originals[i])
@@ -208,13 +211,15 @@ def ring_server(rank, world_size, fn, seed, sizes):
             _sync(device)
         for k, v in c.items():
             counts[k] = counts.get(k, 0) + v
+        calls[i] += 1
 
     def run_builtin(i):
         builtin[i].copy_(originals[i])
         _ALL_REDUCE(builtin[i])
         _sync(device)
 
-    commands = {"result": lambda: {"tensors": [describe(t) for t in ring], "collectives": counts}}
+    commands = {"result": lambda: {"tensors": [describe(t) for t in ring], "collectives": counts,
+                                   "calls": list(calls)}}
     for i, n in enumerate(sizes):
         commands[f"ring-{n}"] = functools.partial(run_ring, i)
         commands[f"all_reduce-{n}"] = functools.partial(run_builtin, i)
@@ -225,11 +230,13 @@ def ring_server(rank, world_size, fn, seed, sizes):
 
 def train_server(rank, world_size, fn, kind, seed, n, epochs, batch_size, lr):
     """Commands ``train`` (the student's train_ddp, ``fn``, on a logged data set of ``n``
-    examples) and ``warmup`` (one step of it); ``result``: what the last ``train`` returned and
-    the examples this rank read in it."""
+    examples) and ``warmup`` (one step of it); ``result``: what the last ``train`` returned, the
+    examples this rank read in it, and how many ``train`` commands completed (``trained``: each
+    trains from scratch, so only this count tells a skipped command from a done one)."""
     model_fn = functools.partial(seeded_model, kind, seed)
     device = device_for(rank)
     last: dict = {}
+    trained = [0]
 
     def train(examples, rounds):
         dataset = LoggedDataset(kind, seed + 1, examples)
@@ -237,9 +244,13 @@ def train_server(rank, world_size, fn, kind, seed, n, epochs, batch_size, lr):
         _sync(device)
         return {"params": describe(params), "fetched": list(dataset.fetched)}
 
-    return {"train": lambda: last.update(train(n, epochs)),
+    def train_all():
+        last.update(train(n, epochs))
+        trained[0] += 1
+
+    return {"train": train_all,
             "warmup": lambda: train(world_size * batch_size, 1),
-            "result": lambda: last}
+            "result": lambda: {**last, "trained": trained[0]}}
 
 
 def rank_train_ddp(rank, world_size, fn, kind, seed, n, epochs, batch_size, lr):

@@ -26,8 +26,8 @@ from autograder.checking.expect import (assert_close_float32, devices_for, fresh
                                         sequence, tensor)
 from autograder.checking.harness import skip_unless
 from autograder.checking.ranks import probe_server_run, probe_server_start, probe_server_stop
-from autograder.checking.speed import (against_trusted_baseline, judge_rounds, median,
-                                       reference_sandbox, timed, timed_calls)
+from autograder.checking.speed import (CountingCalls, against_trusted_baseline, judge_rounds,
+                                       median, reference_sandbox, timed, timed_calls)
 from course.devices import gpu_count
 
 from .expected import (check_returned, check_stages, check_timed_run, expected_forward,
@@ -366,20 +366,21 @@ def test_pipeline_train_step_speedup_two_cpu_processes(student):
                            f"CPU cores to overlap and this machine gives the grader {cores}")
     _, seed = fresh_generator()
     function = SPEC.function("pipeline_train_step")
-    # no helper cells: each sandbox's step calls that sandbox's own functions
-    start = (probe_server_start, "a3-cpu", function, pipeline_server, 2, (seed,), None, (), "gloo")
+    # each sandbox's step calls that sandbox's own functions
+    start = (probe_server_start, "a3-cpu", function, pipeline_server, 2, (seed,), "gloo")
     what = (f"pipeline_train_step on 2 CPU processes ({CPU_MICROBATCHES} micro-batches) vs 1 "
             f"process, batch {CPU_BATCH}")
     verdict = final = None
+    student_call = CountingCalls(student.call)  # the pipe steps the grader asked for
     with reference_sandbox(ASSIGNMENT) as reference:
         try:
-            for call in filter(None, (student.call, reference)):
+            for call in filter(None, (student_call, reference)):
                 call(*start)
-            for call in filter(None, (student.call, reference)):
+            for call in filter(None, (student_call, reference)):
                 call(probe_server_run, "a3-cpu", "pipe")   # what fails, fails before timing
                 call(probe_server_run, "a3-cpu", "base")
             try:
-                judge_rounds(lambda i: base_over_pipe(i, student.call, reference),
+                judge_rounds(lambda i: base_over_pipe(i, student_call, reference),
                              what=what, fixed_threshold=FIXED_THRESHOLD,
                              reference_minimum=MIN_REFERENCE_SPEEDUP,
                              has_reference=reference is not None)
@@ -391,6 +392,8 @@ def test_pipeline_train_step_speedup_two_cpu_processes(student):
             if final is None and student.sandbox.alive():  # a failure left the ranks up
                 with contextlib.suppress(AssertionError):
                     student.call(probe_server_stop, "a3-cpu")
-    check_timed_run(final, reference_final, seed)
+    # as many steps as the grader asked for, and the state after them: a timed call that
+    # returned without its step fails here, even where the speedup is not judged (SKIP after)
+    check_timed_run(final, reference_final, seed, student_call.sent("a3-cpu", "pipe"))
     if verdict is not None:
         raise verdict

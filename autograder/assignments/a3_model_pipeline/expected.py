@@ -9,6 +9,7 @@ import copy
 import torch
 
 from autograder.checking.expect import assert_close_float32, float32_tolerance, tensor
+from autograder.checking.speed import check_work_done
 from autograder.checking.training import sgd_steps
 
 from .models import half_cut, input_width, wide_mlp, workload
@@ -94,16 +95,20 @@ def check_returned(results, losses64, losses32, call, seed=None):
                 f"{tol:.2g}, inputs from seed {seed})")
 
 
-def check_timed_run(final, reference_final, seed):
+def check_timed_run(final, reference_final, seed, sent: int):
     """The stages of the CPU speedup's ranks after the steps they ran (``final``: each rank's
-    ``result``) against that many one-process SGD steps of the whole model in float64. The
-    float32 run that sets the tolerance: the reference's ranks (``reference_final``, trusted)
-    where they ran as many steps, else one-process SGD in float32."""
+    ``result``): as many steps as the grader asked for (``sent``: its own count of the ``pipe``
+    commands it sent; a timed call that returned without its step leaves fewer), and the state
+    of that many one-process SGD steps of the whole model in float64. The float32 run that sets
+    the tolerance: the reference's ranks (``reference_final``, trusted) where they ran as many
+    steps, else one-process SGD in float32."""
     for ranks in (final, reference_final or [{"steps": 0}] * 2):
         assert isinstance(ranks, list) and len(ranks) == 2 and all(
             isinstance(r, dict) and type(r.get("steps")) is int for r in ranks), \
             "the ranks' results were tampered with"
-    steps = final[0]["steps"]
+    check_work_done([r["steps"] for r in final], sent,
+                    "pipeline_train_step on 2 CPU processes")
+    steps = sent
     model = wide_mlp(seed, CPU_WIDTH, CPU_DEPTH)
     cuts = [0, half_cut(model), len(model)]
     X, y = workload(seed, CPU_BATCH, CPU_WIDTH)

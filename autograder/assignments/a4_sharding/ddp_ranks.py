@@ -100,7 +100,8 @@ def ddp_server(rank, world_size, cls, seed, shape, per_rank, bucket_bytes):
     a fixed batch, ``finish_gradient_synchronization()``) and ``per_parameter`` (the same
     gradients with one blocking all-reduce per parameter after backward, on a model of its own:
     the trusted baseline); ``result``: the managed parameters' gradients after the last
-    ``step``."""
+    ``step``, and how many ``step`` s completed (``steps``: each starts from zeroed gradients,
+    so only this count tells a skipped step from a done one)."""
     width = shape[0]
     X, y = (torch.randn(per_rank * world_size, width, dtype=torch.float64,
                         generator=torch.Generator().manual_seed(seed + i)) for i in (1, 2))
@@ -109,10 +110,13 @@ def ddp_server(rank, world_size, cls, seed, shape, per_rank, bucket_bytes):
     ddp = cls(model, bucket_bytes)
     baseline = ddp_model(ddp_seed(seed, 0), shape)
 
+    steps = [0]
+
     def step():
         model.zero_grad(set_to_none=True)
         F.mse_loss(ddp(X[rows]), y[rows]).backward()
         ddp.finish_gradient_synchronization()
+        steps[0] += 1
 
     def per_parameter():
         baseline.zero_grad(set_to_none=True)
@@ -123,4 +127,5 @@ def ddp_server(rank, world_size, cls, seed, shape, per_rank, bucket_bytes):
 
     return {"step": step, "per_parameter": per_parameter,
             "result": lambda: {"grads": describe([p.grad for p in model.parameters()
-                                                  if p.requires_grad])}}
+                                                  if p.requires_grad]),
+                               "steps": steps[0]}}

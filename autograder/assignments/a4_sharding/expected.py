@@ -2,7 +2,7 @@
 the student's code), independently of the functions the students write: each rank's chunk of a
 flat vector as ``torch.chunk`` cuts it, the optimizer state torch's own optimizers keep,
 one-process training with the same optimizer on the full batch, dense layers and models in
-float64. (The reference versions of the graded functions live in the answer key,
+float64. (The reference implementations of the graded functions live in the answer key,
 ``solutions/a4_sharding/answer_key.py``, which the student edition has not.)"""
 from __future__ import annotations
 

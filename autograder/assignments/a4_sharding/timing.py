@@ -9,7 +9,8 @@ all-reduce per parameter after backward, is timed in the reference's sandbox onl
 student code). Each side's figure is its speedup over that baseline; the student passes at 80%
 of the reference's, which is the reference's step time over the student's. Where the reference
 itself does not beat the baseline by :data:`REFERENCE_MINIMUM` in the same run, this machine
-cannot show what bucketing buys and the check SKIPs.
+cannot show what bucketing buys and the check SKIPs; before that, the timed ranks must have run
+every step the grader asked for, the last with the right gradients.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import os
 from autograder.checking.expect import assert_close, fresh_generator, sequence, tensor
 from autograder.checking.harness import skip_unless
 from autograder.checking.ranks import probe_server_run
-from autograder.checking.speed import against_trusted_baseline, timed, timed_rounds
+from autograder.checking.speed import (against_trusted_baseline, check_work_done, timed,
+                                       timed_rounds)
 
 from . import expected
 from .ddp_ranks import ddp_server
@@ -57,9 +59,12 @@ def judge_step_time(student) -> None:
     servers = [("ddp", "BucketedDDP", ddp_server, 2, args, "gloo", ["step", "per_parameter"])]
     (want, *_), numels = expected.one_process_ddp(seed, SPEED_SHAPE, 1, SPEED_PER_RANK, 2, 0.0)
 
-    def verify(results):
+    def verify(results, sent):  # every timed step ran, and the last one's gradients are right
         ranks = results["ddp"]
-        assert isinstance(ranks, list) and len(ranks) == 2, "the timed ranks' reply was tampered with"
+        assert isinstance(ranks, list) and len(ranks) == 2 and all(
+            isinstance(r, dict) for r in ranks), "the timed ranks' reply was tampered with"
+        check_work_done([r.get("steps") for r in ranks], sent("ddp", "step"),
+                        "the timed BucketedDDP")
         for rank, r in enumerate(ranks):
             where = f"the timed BucketedDDP, rank {rank}"
             grads = sequence(r.get("grads") if isinstance(r, dict) else None,

@@ -16,25 +16,30 @@ exactly that step's values), and the next save must work.
 restarted on another number and killed again) run once and shared by its three checks: bitwise
 against the uninterrupted job, float64 against one process, and the samples each step read.
 ``async_save``: its state changed right after the call while its writer is held; its speed
-counts only when that check passes. ``train_resumable`` and ``async_save`` run with the
+counts only when that check passes, and is timed here, from round trips into the sandbox
+(how long async_save blocks, how long until wait() returns), for saves that must all be made,
+the last of them loaded back exactly. ``train_resumable`` and ``async_save`` run with the
 student's own ``save_checkpoint`` and ``load_latest`` (as in the student's self-check), and the
 saved state is read back with that ``load_latest``. Points: spec.py.
 """
 from __future__ import annotations
 
+import contextlib
 import random
+import time
 
 import torch
 
 from autograder.checking.expect import fresh_generator
 from autograder.checking.harness import skip_unless
+from autograder.checking.speed import check_work_done
 from autograder.keys import answer_key
 
 from . import expected as E
 from . import faults
-from .probes import (plain, probe_async, probe_async_timing, probe_commit_kills,
-                     probe_diagnose, probe_diagnose_errors, probe_random_kills, probe_resumable,
-                     probe_round_trip)
+from .probes import (plain, probe_async, probe_async_begin, probe_async_end, probe_async_start,
+                     probe_async_wait, probe_commit_kills, probe_diagnose, probe_diagnose_errors,
+                     probe_random_kills, probe_resumable, probe_round_trip)
 from .spec import SPEC
 
 graded = SPEC.graded
@@ -371,14 +376,46 @@ def test_async_save_holds_the_state_of_its_step(student):
     _async_correct(student)
 
 
+#: timed saves (steps 1, 2, 3 into one folder): their medians are judged
+ASYNC_ROUNDS = 3
+
+
+def _timed_saves(student) -> list[tuple[float, float]]:
+    """``[(seconds async_save blocked, seconds until wait() returned)]`` of each timed save,
+    measured here (round trips into the sandbox), after checking that the sandbox did the work
+    timed: every timed call made its save, and the last one loads back exactly (a timed call
+    that returned without its save fails here, before any SKIP)."""
+    seed, times, reply = _seed(), [], None
+    try:
+        for step in range(1, ASYNC_ROUNDS + 1):
+            student.call(probe_async_begin, seed, step, ASYNC_NUMEL)
+            start = time.perf_counter()
+            problem = student.call(probe_async_start)
+            blocked = time.perf_counter() - start
+            if problem is not None:
+                raise AssertionError(problem if isinstance(problem, str)
+                                     else "the reply was tampered with")
+            student.call(probe_async_wait)
+            times.append((blocked, time.perf_counter() - start))
+        reply = student.call(probe_async_end, ASYNC_NUMEL)
+    finally:
+        if reply is None and student.sandbox.alive():  # a failure left its folder behind
+            with contextlib.suppress(AssertionError):
+                student.call(probe_async_end)
+    assert isinstance(reply, dict) and "loaded" in reply, "the reply was tampered with"
+    check_work_done([reply.get("saves")], ASYNC_ROUNDS, "the timed async_save", "saves")
+    _judge_load(reply["loaded"], seed, [ASYNC_ROUNDS], f"after the {ASYNC_ROUNDS} timed saves",
+                ASYNC_NUMEL)
+    return times
+
+
 @graded
 def test_async_save_returns_before_the_save_is_written(student):
     try:
         _async_correct(student)
     except AssertionError as exc:
         raise AssertionError(f"not counted: async_save is not correct ({exc})") from None
-    times = student.call(probe_async_timing, ASYNC_NUMEL, 3)
-    assert isinstance(times, list) and len(times) == 3, "the reply was tampered with"
+    times = _timed_saves(student)
     blocked = sorted(b for b, _ in times)[1]
     total = sorted(t for _, t in times)[1]
     skip_unless(total >= ASYNC_MINIMUM,

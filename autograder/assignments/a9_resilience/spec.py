@@ -8,8 +8,9 @@ random traces too (``hidden=True``). ``save_checkpoint``/``load_latest`` save in
 folder of the sandbox; the saves that are killed run in children forked from the sandbox's
 worker (:mod:`.probes`); ``train_resumable``'s runs on gloo ranks killed and restarted
 (:mod:`.ranks`). The one speed check (``async_save`` returns before its save is written) is
-measured in the student's sandbox. Per-call timeouts are several times what the
-reference takes on a busy 2-core machine.
+timed by the grader, from round trips into the student's sandbox, and counts only if every
+timed save completed and the last one loads back exactly. Per-call timeouts are several times
+what the reference takes on a busy 2-core machine.
 """
 from autograder.checking.spec import Check, Function, Spec
 
