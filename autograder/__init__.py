@@ -10,8 +10,9 @@ __all__ = ["check", "CheckFailed"]
 
 
 class CheckFailed(AssertionError):
-    """Some checks of a function failed. In a notebook it shows as its message alone: the
-    failing cases, not the grader's own traceback (IPython renders ``_render_traceback_``)."""
+    """Some checks of a function failed. In a notebook it shows as its message alone, one line
+    that counts (the FAIL lines printed above it say why, each reason once), not the grader's
+    own traceback (IPython renders ``_render_traceback_``)."""
 
     def _render_traceback_(self):
         return [f"CheckFailed: {self}"]
@@ -34,9 +35,8 @@ def check(function: str, assignment: str | None = None, *, timeout: float = 600.
 
     from .checking.spec import functions_of
     from .invoke import run_grader
-    from .keys import is_reserved, reserved_points
     from .registry import ASSIGNMENTS
-    from .results import FAILED, SKIPPED, result_lines
+    from .results import FAILED, result_lines, student_message
 
     if os.environ.get("AUTOGRADER_DEFER_CHECKS") == "1":
         print(f"{function}: graded by nbgrader's isolated grading run after the notebook ran")
@@ -72,20 +72,78 @@ def check(function: str, assignment: str | None = None, *, timeout: float = 600.
     results = run.report["results"]
     if not results:
         raise CheckFailed(f"no checks named {function!r} in {assignment}")
+    stubs = _unwritten(objects, assignment, results)
+    said = set()
     for r in results:
-        print("\n".join(result_lines(r)))
-    reserved = reserved_points(results)
+        r = dict(r, message=student_message(r["message"], r["function"], stubs))
+        lines = result_lines(r)
+        if r["status"] == FAILED and r["message"] in said:  # the same reason: say it once
+            lines[1:] = ["      (the same as above)"]
+        said.add(r["message"])
+        print("\n".join(lines))
+    summary = _summary(function, results)
+    if any(r["status"] == FAILED for r in results):
+        raise CheckFailed(f"{summary[:-1]}; inputs from seed {run.report.get('seed')}): the "
+                          "FAIL lines above say why")
+    print(summary)
+
+
+def _summary(function: str, results: list[dict]) -> str:
+    """One line: how many checks passed, what else happened to the others, and the points:
+    "copy_params: 2 of 2 checks passed (2/2 points)"."""
+    from .keys import is_reserved
+    from .results import FAILED, PASSED, SKIPPED
+
+    reserved = [r for r in results if is_reserved(r)]
+    skipped = [r for r in results if r["status"] == SKIPPED and not is_reserved(r)]
+    passed = sum(r["status"] == PASSED for r in results)
+    failed = sum(r["status"] == FAILED for r in results)
+    n = len(results)
+    line = f"{function}: {passed} of {n} check{'s' if n != 1 else ''} passed"
+    line += f", {failed} failed" if failed else ""
+    line += f", {len(skipped)} skipped" if skipped else ""
+    line += f", {len(reserved)} hidden" if reserved else ""
+    earned = sum(r["points"] for r in results)
+    here = sum(r["max_points"] for r in results if not is_reserved(r))
+    points = [f"{earned:g}/{here:g} points" + (" here" if reserved else "")]
+    if skipped:
+        points.append("a skipped check earns no points")
     if reserved:
-        here = sum(r["max_points"] for r in results if r["status"] != SKIPPED)
-        print(f"{function}: {here:g} point(s) checked here; {reserved:g} more when your "
-              "instructor grades (hidden cases and the answer key)")
-    if any(r["status"] == SKIPPED and not is_reserved(r) for r in results):
-        print("SKIP means this machine cannot measure it; no points were measured here, and "
-              "the grade on the grading machine may differ.")
-    failed = [r for r in results if r["status"] == FAILED]
-    if failed:
-        raise CheckFailed(f"{len(failed)} of {len(results)} check(s) of {function} failed (seed "
-                          f"{run.report.get('seed')}): " + "; ".join(
-                              f"{r['name']}: {r['message'].splitlines()[0] if r['message'] else ''}"
-                              for r in failed)[:3000])
-    print(f"{function}: all {len(results)} check(s) passed or skipped")
+        points.append(f"{sum(r['max_points'] for r in reserved):g} more when your instructor "
+                      "grades")
+    return f"{line} ({'; '.join(points)})"
+
+
+def _unwritten(objects: dict, assignment: str, results: list[dict]) -> tuple[str, ...]:
+    """The functions among those the checked ones run (and the helpers they call) that are
+    still stubs: nothing but a docstring and ``raise NotImplementedError``. A stub's failure
+    says which function it is (the grader cannot: the kernel's code is in no cell it ran)."""
+    import ast
+    import inspect
+    import textwrap
+
+    from .checking.spec import load_spec
+
+    spec = load_spec(assignment)
+    names = set()
+    for r in results:
+        try:
+            runs = spec.check(r["name"]).runs
+        except KeyError:
+            continue
+        names.add(runs)
+        names.update(next((f.helpers for f in spec.functions if f.name == runs), ()))
+    stubs = []
+    for name in sorted(names):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(objects[name])))
+        except (KeyError, OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(
+            tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else []
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        if len(body) == 1 and isinstance(body[0], ast.Raise) and "NotImplementedError" in \
+                ast.unparse(body[0].exc or ast.Constant(None)):
+            stubs.append(name)
+    return tuple(stubs)

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 from .keys import is_reserved, reserved_points
-from .results import SKIPPED, TAG, Report
+from .results import SKIPPED, TAG, Report, student_message
 
 
 def table(report: Report) -> str:
     rows = [("check", "points", "status", "seconds", "message")]
     for r in report.results:
-        message = " ".join(r.message.split())
+        message = " ".join(student_message(r.message, r.function).split())
         if len(message) > 160:
             message = message[:157] + "..."
         rows.append((f"{r.function}: {r.name}", f"{r.points:g}/{r.max_points:g}",

@@ -2,8 +2,8 @@
 
 - :class:`CheckResult` and :class:`Report`: one run's outcome (the JSON report is
   ``Report.to_dict()``);
-- :data:`TAG` and :func:`result_lines`: how a check's status reads for people (the CLI table,
-  ``check()`` in a notebook, nbgrader's test cells);
+- :data:`TAG`, :func:`result_lines` and :func:`student_message`: how a check's status and
+  message read for people (the CLI table, ``check()`` in a notebook, nbgrader's test cells);
 - :func:`gradescope` and :func:`failure_results`: Gradescope's ``results.json``;
 - :func:`atomic_write`: every file the grader writes.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -67,9 +68,54 @@ def result_lines(result: dict, points: float | None = None) -> list[str]:
     """``PASS  name  (1/1)`` and its indented message: one check, as every front end shows it."""
     got = result["points"] if points is None else points
     lines = [f"{TAG[result['status']]}  {result['name']}  ({got:g}/{result['max_points']:g})"]
-    if result.get("message"):
-        lines.append(f"      {result['message']}")
+    message = student_message(result.get("message") or "", result["function"])
+    lines += [f"      {line}" for line in message.split("\n") if message]
     return lines
+
+
+#: A stub's failure, as the sandbox reports it: ``NotImplementedError`` with no text of its own,
+#: raised in the grader's process or in a rank of a multi-process run.
+_STUB = re.compile(r"(?:RuntimeError: with \d+ processes, rank \d+ failed: )?NotImplementedError:?\s*")
+#: A frame of the student's code: ``  in cell C, line N[, in F: source]``.
+_FRAME = re.compile(r"  in cell (?P<cell>.+?), line (?P<line>\d+)(?:, in (?P<function>[\w<>]+))?"
+                    r"(?:: (?P<source>.*))?")
+
+
+def student_message(message: str, function: str, stubs: tuple[str, ...] = ()) -> str:
+    """``message`` as a student should read it. A stub (a function that still raises the
+    released ``NotImplementedError()``) reads "allreduce is not written yet (it raises
+    NotImplementedError in cell allreduce, line 4)", not a bare ``NotImplementedError:``.
+
+    Which function raised comes from the message's last frame; where it shows none (``check()``
+    in a notebook: the kernel's code is not in a cell the grader ran), from ``stubs``, the
+    functions the caller found unwritten. Reports keep the message as the grader made it; every
+    front end shows it through here."""
+    lines = message.split("\n")
+    if not _STUB.fullmatch(lines[0]):
+        return message
+    frames = [m for m in map(_FRAME.fullmatch, lines[1:]) if m]
+    rest = [line for line in lines[1:] if not _FRAME.fullmatch(line)
+            and not re.fullmatch(r"\(rank\(s\) [\d, ]+ failed as well\)", line)]
+    runs = function.removesuffix("_speedup")
+    where = ""
+    if frames:
+        last = frames[-1]
+        if last["source"] is not None and not last["source"].startswith("raise NotImplementedError"):
+            return message  # raised by what that line calls (torch, say), not by a stub
+        names = (last["function"] if last["function"] not in (None, "<module>") else last["cell"],)
+        where = f" in cell {last['cell']}, line {last['line']}"
+    else:
+        names = (runs,) if runs in stubs else tuple(sorted(stubs))
+    if not names:
+        head = (f"{runs} raised NotImplementedError with no message: is a part of it, or of "
+                "a function it calls, not written yet?")
+    elif len(names) == 1:
+        head = f"{names[0]} is not written yet (it raises NotImplementedError{where})"
+    else:
+        head = f"{' and '.join(names)} are not written yet (they raise NotImplementedError)"
+    if names and runs not in names:
+        head += f"; {runs} calls {'it' if len(names) == 1 else 'them'}"
+    return "\n".join([head, *rest])
 
 
 def failure_results(message: str) -> dict:
@@ -82,7 +128,7 @@ def gradescope(report: Report) -> dict:
     are left out of what could be earned here, as in the report) with the reason."""
     tests = []
     for r in report.results:
-        out = r.message if r.status != PASSED else ""
+        out = student_message(r.message, r.function) if r.status != PASSED else ""
         if r.status == SKIPPED:
             out = f"Not graded on this machine: {r.message}\n{SKIP_EARNS_NOTHING}"
         tests.append({"name": f"{r.function}: {r.name}", "score": r.points,

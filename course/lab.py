@@ -18,6 +18,16 @@ the virtual environment (or the user's ``~/.jupyter``), so it would switch the t
 the instructor too, and for every other project sharing that environment. Here nothing
 outside the course's folder changes. The folder lives in the ``course`` package, so the
 student edition and the Docker image, which ship ``course/``, have it too.
+
+The student's server runs in their *work folder* (``--work-dir``: ``work/`` unless
+``COURSE_WORK_DIR`` says otherwise), made or brought up to date first by
+:mod:`autograder.integrations.workfolder`: copies of the lessons and the released assignments,
+no ``solutions/``, and nothing of the instructor's overwrites what the student changed there.
+The instructor's runs where it is started (``make lab-instructor``: the repository, with
+``solutions/`` and Formgrader). In both modes the server's ``PATH`` starts with this Python's
+``bin`` folder: nbgrader runs ``alembic`` from ``PATH`` (Formgrader's gradebook), and the lab's
+terminals find this venv's ``python``.
+
 ``tests/test_browser.py`` starts its server through :func:`lab_environment` and
 :func:`lab_command`, so it tests what ``make lab`` starts.
 """
@@ -45,7 +55,8 @@ def config_dir(mode: str = "student") -> Path:
 
 
 def lab_environment(mode: str = "student", env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default: this process's) with ``mode``'s folder first on JUPYTER_CONFIG_PATH.
+    """``env`` (default: this process's) with ``mode``'s folder first on JUPYTER_CONFIG_PATH
+    and this Python's ``bin`` folder first on PATH.
 
     Folders already on JUPYTER_CONFIG_PATH stay, after it: a user's own extra configuration
     still applies where the course's folder says nothing.
@@ -55,6 +66,10 @@ def lab_environment(mode: str = "student", env: dict[str, str] | None = None) ->
     if env.get("JUPYTER_CONFIG_PATH"):
         paths.append(env["JUPYTER_CONFIG_PATH"])
     env["JUPYTER_CONFIG_PATH"] = os.pathsep.join(paths)
+    # this Python's bin (a venv's: not resolved, which would give the base interpreter's)
+    here = os.path.dirname(os.path.abspath(sys.executable))
+    rest = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != here]
+    env["PATH"] = os.pathsep.join([here, *rest])
     return env
 
 
@@ -70,10 +85,26 @@ def main(argv: list[str] | None = None) -> int:
         description="JupyterLab on the course; other arguments are passed to jupyter lab.")
     parser.add_argument("--instructor", action="store_true",
                         help="keep nbgrader's instructor tools (menu Nbgrader, Formgrader)")
+    parser.add_argument("--work-dir", default=os.environ.get("COURSE_WORK_DIR") or "work",
+                        help="student mode: the work folder, made on the first run and then "
+                             "never overwritten (default: $COURSE_WORK_DIR or work)")
     ours, rest = parser.parse_known_args(argv)
     mode = "instructor" if ours.instructor else "student"
+    where = ""
+    if mode == "student":
+        from autograder.integrations.workfolder import WorkFolderError, sync
+
+        try:
+            for line in sync(ours.work_dir):
+                print(line, flush=True)
+        except WorkFolderError as exc:
+            print(f"make lab: stopped: {exc}", file=sys.stderr)
+            return 1
+        if not any(a.startswith(("--ServerApp.root_dir", "--notebook-dir")) for a in rest):
+            rest = [f"--ServerApp.root_dir={os.path.abspath(ours.work_dir)}", *rest]
+            where = f", in your work folder {ours.work_dir}"
     env, cmd = lab_environment(mode), lab_command(rest)
-    print(f"JupyterLab, {mode} mode (configuration: {config_dir(mode)})", flush=True)
+    print(f"JupyterLab, {mode} mode{where} (configuration: {config_dir(mode)})", flush=True)
     if os.name == "posix":
         # Replace this process: Ctrl-C and JupyterLab's shutdown prompt reach it directly.
         os.execve(cmd[0], cmd, env)

@@ -38,7 +38,7 @@ def test_reference_notebook_runs_with_its_self_checks_passing(offline_env, monke
     assert not errors(solved), errors(solved)  # the experiments ran too, with the reference
     outputs = "".join(o.get("text", "") for c in solved.cells if c.source.startswith("check(")
                       for o in c.outputs)
-    assert "copy_params: all 2 check(s) passed" in outputs
+    assert "copy_params: 2 of 2 checks passed (2/2 points)" in outputs
     assert "SKIP" in outputs  # the speedup, on a machine without 2 GPUs
 
 
@@ -46,11 +46,15 @@ def test_self_check_fails_a_stub_with_a_readable_message(offline_env, monkeypatc
     nb = nbformat.read(RELEASE, as_version=4)
     wanted = {"setup", "copy_params", "check_copy_params"}
     nb.cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") in wanted]
-    failed = errors(execute(nb, offline_env, monkeypatch))
+    solved = execute(nb, offline_env, monkeypatch)
+    failed = errors(solved)
     assert list(failed) == ['check("copy_params")']
     error = failed['check("copy_params")']
-    assert error.ename == "CheckFailed" and "NotImplementedError" in error.evalue
+    assert error.ename == "CheckFailed" and error.evalue.startswith(
+        "copy_params: 0 of 2 checks passed, 2 failed (0/2 points; inputs from seed ")
     assert error.traceback == [f"CheckFailed: {error.evalue}"]  # no grader frames shown
+    shown = "".join(o.get("text", "") for c in solved.cells for o in c.outputs)
+    assert shown.count("copy_params is not written yet (it raises NotImplementedError)") == 1
 
 
 def test_a_skipped_speed_check_earns_nothing_in_nbgrader(monkeypatch):
@@ -93,7 +97,7 @@ def test_self_check_sends_cached_helpers_and_torch_ops(offline_env, monkeypatch)
     assert not errors(solved), errors(solved)
     outputs = "".join(o.get("text", "") for c in solved.cells if c.source.startswith("check(")
                       for o in c.outputs)
-    assert "copy_params: all 2 check(s) passed" in outputs
+    assert "copy_params: 2 of 2 checks passed (2/2 points)" in outputs
 
 
 def test_self_check_without_the_key_says_what_the_instructor_checks(offline_env, monkeypatch):
@@ -111,4 +115,5 @@ def test_self_check_without_the_key_says_what_the_instructor_checks(offline_env,
                       for o in c.outputs)
     assert "SKIP" in outputs and "checked when your instructor grades" in outputs, outputs
     assert "more when your instructor grades" in outputs, outputs
-    assert "per_rank_memory: all" in outputs
+    assert "per_rank_memory: 2 of 3 checks passed, 1 hidden (2/2 points here; 1 more when " \
+           "your instructor grades)" in outputs, outputs
