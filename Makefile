@@ -33,6 +33,10 @@ $(STAMP): pyproject.toml
 	@echo "install: installing $(if $(TORCH),$(TORCH),PyTorch $(TORCH_PINNED)) and the course's packages" \
 	    "(about 3 GB to download and 6 GB on disk on first run; pip shows its progress)"
 	$(PY) -m pip install -e '.[dev$(if $(TORCH),,$(comma)pinned)]' $(TORCH)
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    echo "install: installing bubblewrap, the sandbox graded code runs in (apt-get)" && \
+	    apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; } || \
+	    echo "install: bubblewrap not found: please install it (Debian, Ubuntu: sudo apt-get install bubblewrap; Fedora: sudo dnf install bubblewrap); without it graded code gets a weaker sandbox and grading beside solutions/ is refused (docs/grading.md, Settings)"
 	@echo "install: registering the Jupyter kernel \"Python 3 (workshop)\""
 	@$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (workshop)" >/dev/null
 	@touch $(STAMP)
