@@ -158,8 +158,9 @@ class Sandbox:
             env["AUTOGRADER_WRITABLE"] = str(work)
         # the kernel's limits sit above the watchdog's (which names what was exceeded): they
         # stop what polling cannot see or catch in time (shared memory, a fast fork bomb)
+        # tasks: the kernel counts threads too (a gloo rank of torch runs a dozen or more)
         self._cgroup = cgroups.make(self.limits.max_memory_bytes * 5 // 4 + (256 << 20),
-                                    self.limits.max_processes * 2 + 16)
+                                    self.limits.max_processes * 64)
         note_cgroup(self._cgroup is not None)
         as_user = {}
         if (user := sandbox_user()) is not None:  # root grading: graded code runs as user
