@@ -187,7 +187,7 @@ def test_make_release_stops_before_replacing_someones_work(course_repo):
 
 def test_make_release_runs_the_guard_first_unless_forced():
     def dry(*args: str) -> list[str]:
-        return subprocess.run(["make", "-n", "release", *args], cwd=REPO, capture_output=True,
+        return subprocess.run(["make", "--no-print-directory", "-n", "release", *args], cwd=REPO, capture_output=True,
                               text=True, check=True).stdout.splitlines()
 
     lines = dry()
