@@ -91,6 +91,21 @@ class Student:
             raise AssertionError(value)
         return value
 
+    def with_own_helpers(self, function: str, helpers, run, note, uses: str = "calls your"):
+        """``run()``, which grades ``function`` with the submission's own ``helpers``. Not run
+        where one of them hung in its own checks; where it fails (not by timing out), the
+        message adds ``note()``, computed once per grading: what is wrong with those helpers."""
+        hung = [h for h in helpers if h in self.hung]
+        if hung:
+            raise AssertionError(f"{function} {uses} {' and '.join(hung)}, which did not return "
+                                 f"in its own checks: {function} was not run")
+        try:
+            return run()
+        except AssertionError as exc:
+            if str(exc).startswith("timed out"):
+                raise
+            raise AssertionError(f"{exc}\n{self.shared(f'{function} helpers', note)}") from None
+
     def _start(self):
         try:
             if self.sandbox.loading:

@@ -188,36 +188,27 @@ HELPERS = SPEC.function("train_batch").helpers
 def _check_train(student, batch, n):
     """train_batch's step on ``n`` devices against one SGD step on the whole batch; a failure
     says which of the student's helpers is wrong too, if any."""
-    hung = [h for h in HELPERS if h in student.hung]
-    assert not hung, (f"train_batch calls your {' and '.join(hung)}, which did not return in "
-                      "its own checks: train_batch was not run")
-    try:
-        _judge_train(student, batch, n)
-    except AssertionError as exc:
-        if str(exc).startswith("timed out"):
-            raise
-        raise AssertionError(f"{exc}\n{_helpers_note(student)}") from None
+    student.with_own_helpers("train_batch", HELPERS, lambda: _judge_train(student, batch, n),
+                             lambda: _helpers_note(student))
 
 
 def _helpers_note(student) -> str:
-    """What the student's split_batch and allreduce do on a small case (once per grading)."""
-    def helpers_verdict():
-        devices, wrong = devices_for(3), []
-        for name, check in (
-                ("split_batch", lambda: _check_split(student, "split_batch", 7, devices,
-                                                     even_sizes(7, 3))),
-                ("allreduce", lambda: _check_allreduce(student, [((4, 5), d) for d in devices],
-                                                       torch.float32))):
-            try:
-                check()
-            except AssertionError as exc:
-                wrong.append(f"your {name}: {str(exc).splitlines()[0].rstrip(': ')}")
-        if not wrong:
-            return ("(train_batch runs with your own split_batch and allreduce; both gave "
-                    "right results on a small case here)")
-        return ("train_batch runs with your own split_batch and allreduce, and this is wrong "
-                "with " + "; ".join(wrong) + " (fix that first; its own checks say more)")
-    return student.shared("train_batch's helpers", helpers_verdict)
+    """What the student's split_batch and allreduce do on a small case."""
+    devices, wrong = devices_for(3), []
+    for name, check in (
+            ("split_batch", lambda: _check_split(student, "split_batch", 7, devices,
+                                                 even_sizes(7, 3))),
+            ("allreduce", lambda: _check_allreduce(student, [((4, 5), d) for d in devices],
+                                                   torch.float32))):
+        try:
+            check()
+        except AssertionError as exc:
+            wrong.append(f"your {name}: {str(exc).splitlines()[0].rstrip(': ')}")
+    if not wrong:
+        return ("(train_batch runs with your own split_batch and allreduce; both gave "
+                "right results on a small case here)")
+    return ("train_batch runs with your own split_batch and allreduce, and this is wrong "
+            "with " + "; ".join(wrong) + " (fix that first; its own checks say more)")
 
 
 def _judge_train(student, batch, n):

@@ -275,28 +275,19 @@ def _with_helpers_named(student, run):
     """``run()``; where it fails, the message adds that train_ddp ran with the student's own
     make_dataloader and average_gradients, and what is wrong with make_dataloader if anything
     is (checked on a small case: one call, no processes)."""
-    if "make_dataloader" in student.hung:
-        raise AssertionError("train_ddp reads its data with your make_dataloader, which did not "
-                             "return in its own checks: train_ddp was not run")
-    try:
-        return run()
-    except AssertionError as exc:
-        if str(exc).startswith("timed out"):
-            raise
-        raise AssertionError(f"{exc}\n{_helpers_note(student)}") from None
+    return student.with_own_helpers("train_ddp", ("make_dataloader",), run,
+                                    lambda: _helpers_note(student), uses="reads its data with your")
 
 
 def _helpers_note(student) -> str:
-    def helpers_verdict():
-        _, seed = fresh_generator()
-        try:
-            check_loaders(student, [(24, 3, 4, seed, [0, 1])])
-        except AssertionError as exc:
-            return ("train_ddp runs with your own make_dataloader, and it is wrong: "
-                    f"{str(exc).splitlines()[0].rstrip(': ')} (fix it first; its checks say more)")
-        return ("(train_ddp runs with your own make_dataloader and average_gradients, if it "
-                "calls it; your make_dataloader passed a small case here)")
-    return student.shared("train_ddp's helpers", helpers_verdict)
+    _, seed = fresh_generator()
+    try:
+        check_loaders(student, [(24, 3, 4, seed, [0, 1])])
+    except AssertionError as exc:
+        return ("train_ddp runs with your own make_dataloader, and it is wrong: "
+                f"{str(exc).splitlines()[0].rstrip(': ')} (fix it first; its checks say more)")
+    return ("(train_ddp runs with your own make_dataloader and average_gradients, if it "
+            "calls it; your make_dataloader passed a small case here)")
 
 
 def _train_two_processes(student) -> int:
