@@ -16,16 +16,11 @@ Tier: the counting and the rounds' arithmetic are quick; A1's grading of train_b
 """
 from __future__ import annotations
 
-import json
-import pickle
-import re
-import subprocess
-import sys
-
 import nbformat
 import pytest
 
 from conftest import REPO, grade, points_by_function
+from sandbox_records import MARKERS, leaks, record_gradings, solution_lines
 
 A1_SOURCE = REPO / "solutions" / "a1_data_parallel" / "data_parallel.ipynb"
 A1_RELEASE = REPO / "assignments" / "a1_data_parallel" / "data_parallel.ipynb"
@@ -47,95 +42,6 @@ def with_answer(notebook, tmp_path, name: str, **answers: str):
 
 
 # ---------------------------------------------------------------- (a) no reference in a sandbox
-
-#: Grades each job in this one process, the harness's (student) sandboxes recording what they
-#: are sent; writes {"records": [(job, what, pickled bytes)], "reports": {job: report}} to
-#: argv[1]. A speed check's reference sandbox is not the harness's: it is not recorded.
-DRIVER = r"""
-import json, pickle, sys, tempfile
-from pathlib import Path
-
-import autograder.checking.harness as harness
-from autograder.cli import main
-from autograder.sandbox import Sandbox
-
-records, reports, current = [], {}, {}
-
-
-class Recording(Sandbox):
-    def begin_start(self):
-        records.append((current["job"], "cells", pickle.dumps(self.cells)))
-        records.append((current["job"], "objects", pickle.dumps(self.objects)))
-        super().begin_start()
-
-    def call(self, probe, *args, timeout=30.0):
-        records.append((current["job"], f"{probe.__module__}.{probe.__qualname__}",
-                        pickle.dumps(args)))
-        return super().call(probe, *args, timeout=timeout)
-
-
-harness.Sandbox = Recording
-for job, (notebook, only, speed) in json.loads(sys.argv[2]).items():
-    current["job"] = job
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "report.json"
-        code = main(["grade", notebook, "--only", only, "--speed", speed, "--report", str(out)])
-        reports[job] = {"code": code, **json.loads(out.read_text())}
-Path(sys.argv[1]).write_bytes(pickle.dumps({"records": records, "reports": reports}))
-"""
-
-#: What code compiled from the reference carries (reference_namespace's file names).
-MARKER = "<reference "
-#: A run of text in a pickle, long enough to hold a line worth finding.
-TEXT = re.compile(r"[^\x00-\x08\x0b-\x1f\ufffd]{31,}")
-
-
-def _lines(text: str) -> set[str]:
-    return {line.strip() for line in text.splitlines() if len(line.strip()) > 30}
-
-
-def solution_lines(assignment: str) -> set[str]:
-    """The lines of the reference's answer cells that the released notebook lacks."""
-    from autograder.notebook import is_answer_cell, read_notebook
-    from autograder.registry import get
-
-    released = set().union(*(_lines("".join(c.get("source", "")))
-                             for c in read_notebook(get(assignment).release).cells))
-    return set().union(*(_lines("".join(c.get("source", "")))
-                         for c in read_notebook(get(assignment).source).cells
-                         if is_answer_cell(c))) - released
-
-
-def run_driver(jobs: dict, env, tmp_path) -> dict:
-    out = tmp_path / "records.pickle"
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(out), json.dumps(jobs)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return pickle.loads(out.read_bytes())
-
-
-def leaks_in(got: dict, assignment: str) -> list:
-    """What of the reference reached the student's sandboxes or the reports."""
-    from autograder.registry import get
-    from autograder.submission import load_submission
-
-    lines = solution_lines(assignment)
-    assert len(lines) > 15, len(lines)  # the reference's answers were read
-    leaks = []
-    for job, what, data in got["records"]:
-        if what == "cells":  # the submission's own cells, nothing added
-            notebook = json.loads(got["jobs"])[job][0]
-            assert pickle.loads(data) == load_submission(notebook, assignment).cells, job
-            continue
-        text = "\n".join(TEXT.findall(data.decode("utf-8", errors="replace")))
-        leaks += [(job, what, line) for line in lines if line in text]
-        leaks += [(job, what, MARKER)] if MARKER.encode() in data else []
-    for job, report in got["reports"].items():
-        text = json.dumps(report)
-        leaks += [(job, "report", line) for line in lines if line in text]
-        leaks += [(job, "report", MARKER)] if MARKER in text else []
-    return leaks
-
 
 #: Code a submission runs to find what its process holds and send it back in an error: the
 #: strings in every frame's locals and globals (into lists, tuples, dicts and bytes), the file
@@ -193,11 +99,12 @@ def exfiltrating(release, tmp_path, function: str, params: str):
 
 
 def _graded_without_leaks(jobs, assignment, env, tmp_path) -> dict:
-    got = run_driver(jobs, env, tmp_path)
-    got["jobs"] = json.dumps(jobs)
-    assert {job for job, *_ in got["records"]} == set(jobs)
-    leaks = leaks_in(got, assignment)
-    assert not leaks, f"{len(leaks)} piece(s) of solutions/ reached a student sandbox: {leaks[:5]}"
+    jobs = {job: [*spec, assignment] for job, spec in jobs.items()}
+    got = record_gradings(jobs, env, tmp_path)
+    lines = solution_lines([assignment], keys=False)
+    assert len(lines) > 15, len(lines)  # the reference's answers were read
+    found = leaks(got, lines, report_markers=MARKERS[:1])
+    assert not found, f"{len(found)} piece(s) of solutions/ reached a student sandbox: {found[:5]}"
     return got["reports"]
 
 
