@@ -215,22 +215,18 @@ def test_a2_timed_ring_and_training_that_skip_their_work_fail(offline_env, tmp_p
 
 @pytest.mark.full
 @pytest.mark.slow
-def test_a3_timed_pipeline_steps_that_skip_their_work_fail(offline_env, tmp_path):
-    path = cheating(REPO / "solutions" / "a3_model_pipeline" / "model_pipeline.ipynb", tmp_path,
-                    "pipeline_train_step", SKIP_REPEATED_COMMANDS)
-    report = grade(path, "--only", "pipeline_train_step_speedup", env=offline_env, timeout=600)
-    # the untimed first step ran, none of the timed ones did
-    assert_fails_for_skipped_work(report, "pipeline_train_step_speedup_two_cpu_processes", "1")
-
-
-@pytest.mark.full
-@pytest.mark.slow
-def test_a4_timed_bucketed_steps_that_skip_their_work_fail(offline_env, tmp_path):
-    path = cheating(REPO / "solutions" / "a4_sharding" / "sharding.ipynb", tmp_path, "BucketedDDP",
-                    SKIP_REPEATED_COMMANDS)
-    report = grade(path, "--only", "BucketedDDP", env=offline_env, timeout=900)
-    # the warm-up step ran, none of the timed ones did
-    assert_fails_for_skipped_work(report, "bucketed_ddp_step_time_against_the_reference", "1")
+@pytest.mark.parametrize("notebook, function, only, check, timeout", [
+    ("a3_model_pipeline/model_pipeline.ipynb", "pipeline_train_step", "pipeline_train_step_speedup",
+     "pipeline_train_step_speedup_two_cpu_processes", 600),
+    ("a4_sharding/sharding.ipynb", "BucketedDDP", "BucketedDDP",
+     "bucketed_ddp_step_time_against_the_reference", 900),
+], ids=["a3", "a4"])
+def test_timed_steps_that_skip_their_work_fail(offline_env, tmp_path, notebook, function, only,
+                                               check, timeout):
+    path = cheating(REPO / "solutions" / notebook, tmp_path, function, SKIP_REPEATED_COMMANDS)
+    report = grade(path, "--only", only, env=offline_env, timeout=timeout)
+    # the untimed first (warm-up) step ran, none of the timed ones did
+    assert_fails_for_skipped_work(report, check, "1")
 
 
 @pytest.mark.full
