@@ -53,6 +53,11 @@ def isolation_mode() -> str:
 _WHY_NOT_BWRAP: list[str] = []
 
 
+def why_not_bwrap(unasked: str = "not asked for") -> str:
+    """Why this process does not grade in bubblewrap (``unasked``: it was never tried)."""
+    return "; ".join(_WHY_NOT_BWRAP) or unasked
+
+
 def _fails(mode: str) -> str | None:
     """None when ``mode`` runs here, else why not."""
     if not shutil.which(mode):
@@ -131,17 +136,17 @@ def isolation_summary() -> str:
     elif mode == "unshare":
         text = ("unshare: own user/PID/IPC/net namespaces, capabilities dropped, seccomp, "
                 "read-only file system, solutions/ hidden under an empty mount (WARNING: "
-                f"not bubblewrap: {'; '.join(_WHY_NOT_BWRAP) or 'not asked for'}; with it "
+                f"not bubblewrap: {why_not_bwrap()}; with it "
                 "solutions/ is absent); " + limits)
     else:
         user = sandbox_user()
         if user is not None:
             hidden = ", solutions unreadable to it" if unreadable_to_sandbox(REPO / "solutions") else ""
-            text = (f"WARNING: no namespaces here ({'; '.join(_WHY_NOT_BWRAP) or 'not asked for'})"
+            text = (f"WARNING: no namespaces here ({why_not_bwrap()})"
                     f": child processes as user {user.pw_name}"
                     f"{hidden}, seccomp, network not cut; " + limits)
         else:
-            text = (f"WARNING: no namespaces here ({'; '.join(_WHY_NOT_BWRAP) or 'not asked for'})"
+            text = (f"WARNING: no namespaces here ({why_not_bwrap()})"
                     ": child processes as the grader's own user, "
                     "seccomp only, network not cut; " + limits)
     if CONFINEMENT_PROBLEMS:
@@ -202,7 +207,7 @@ def reference_exposed() -> str | None:
         return None
     return ("solutions/ is present and graded code would not run without it here (bubblewrap, "
             "the sandbox that leaves it out, does not run: "
-            f"{'; '.join(_WHY_NOT_BWRAP) or 'AUTOGRADER_ISOLATION says not to'}), so a "
+            f"{why_not_bwrap('AUTOGRADER_ISOLATION says not to')}), so a "
             "submission could find the reference answers. Install bubblewrap (Debian and Ubuntu: "
             "apt-get install bubblewrap) on a host with user namespaces (in Docker, "
             "use docker/compose.reference.yaml), grade from a copy without solutions/, or set "
