@@ -107,6 +107,8 @@ gpu-check-offline:
 # make lab-instructor               JupyterLab with nbgrader's tools (Formgrader, Create Assignment)
 # make release                      regenerate every assignments/<a>/ from solutions/<a>/ (nbgrader);
 #                                   stops while a file there holds changes no release wrote [FORCE=1]
+# make exchange                     make nbgrader's exchange folder, writable by every user (Formgrader
+#                                   shows Release and Collect only once it exists) [COURSE_EXCHANGE=<folder>]
 # make student-edition              the student edition in $(EDITION_DIR)
 # make grade-folder                 grade $(SUBMISSIONS)/ into $(GRADES)/ on this machine [A=assignment] [JOBS=n]
 # make gradescope                   Gradescope bundles in $(GRADESCOPE_DIR)/ [A=assignment]
@@ -150,7 +152,7 @@ COMPOSE         = COMPOSE_PROJECT_NAME=scale-pytorch COURSE_DOCKER_DIR=$(abspath
                   $(COMPOSE_CMD) -f docker/compose.yaml $(if $(filter gpu,$(DOCKER_VARIANT)),-f docker/compose.gpu.yaml) \
                   $(if $(REFERENCE),-f docker/compose.reference.yaml)
 
-.PHONY: release grade-folder gradescope docker-variant docker-build docker-build-cpu docker-work docker-lab \
+.PHONY: release exchange grade-folder gradescope docker-variant docker-build docker-build-cpu docker-work docker-lab \
 	docker-lab-cpu docker-grade docker-grade-cpu docker-smoke
 
 # Regenerates assignments/ (the released copies, committed) from solutions/; nbgrader's --force
@@ -164,6 +166,14 @@ release: install
 	    PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/nbgrader generate_assignment $$a --force --no-db || exit 1; \
 	done
 	@$(PY) -m autograder.integrations.workfolder release-record
+
+# The exchange, where nbgrader_config.py says it is: $(COURSE_EXCHANGE) when set, else nbgrader's
+# default. Mode 0777, as nbgrader's release_assignment sets it (students write their submissions
+# there); a system folder needs root (sudo make exchange).
+NBGRADER_EXCHANGE = $(or $(COURSE_EXCHANGE),/usr/local/share/nbgrader/exchange)
+exchange:
+	install -d -m 0777 "$(NBGRADER_EXCHANGE)"
+	@echo "exchange: $(NBGRADER_EXCHANGE) (students' nbgrader_config.py: c.Exchange.root = \"$(abspath $(NBGRADER_EXCHANGE))\")"
 
 student-edition: install
 	$(PY) -m autograder edition $(EDITION_DIR) --force
@@ -184,12 +194,12 @@ docker-build: docker-variant
 	docker build $(DOCKER_BUILD_FLAGS) -f docker/Dockerfile -t $(IMAGE):$(DOCKER_VARIANT) \
 	    --build-arg TORCH_INDEX=$(if $(filter gpu,$(DOCKER_VARIANT)),$(TORCH_GPU_INDEX),$(TORCH_CPU_INDEX)) .
 
-# The student's work folder: the student edition (no solutions/), made once, then theirs. It
-# needs git and Python 3 (nothing installed: the project's venv where there is one, else $(PYTHON)).
+# The student's work folder, the same as make lab's (lessons/ and assignments/, chosen as the
+# student edition is: no solutions/), made once, then theirs: a newer release lands beside a
+# notebook they changed (autograder/integrations/workfolder.py). It needs git and Python 3
+# (nothing installed: the project's venv where there is one, else $(PYTHON)).
 docker-work:
-	@if [ -z "$$(ls -A $(COURSE_WORK_DIR) 2>/dev/null)" ]; then \
-	    $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m autograder edition $(COURSE_WORK_DIR) --force; \
-	else echo "docker: work folder $(COURSE_WORK_DIR) (kept as it is)"; fi
+	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m autograder.integrations.workfolder sync $(COURSE_WORK_DIR)
 
 docker-lab: docker-variant docker-work
 	$(COMPOSE) up lab

@@ -22,6 +22,28 @@ c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedb
 # (nbgrader's GenerateAssignment.create_assignment, on by default); nbgrader 0.9 has no
 # CourseDirectory.db_assignments.
 
+# The exchange (release_assignment, fetch_assignment, submit, collect, release_feedback): a
+# folder every user of the machine can write. nbgrader's default is
+# /usr/local/share/nbgrader/exchange; COURSE_EXCHANGE names another. Students' nbgrader must use
+# the same folder: their own nbgrader_config.py (or /etc/jupyter/nbgrader_config.py for a whole
+# JupyterHub) says c.Exchange.root = "<folder>" (docs/instructor.md, "Releasing to students").
+if os.environ.get("COURSE_EXCHANGE"):
+    c.Exchange.root = os.path.abspath(os.environ["COURSE_EXCHANGE"])
+
+# nbgrader 0.9 on SQLAlchemy 2 warns "SAWarning: Object of type <SubmittedAssignment> not in
+# session, add operation along 'Student.submissions' will not proceed" (or <SubmittedNotebook>,
+# <Grade>, <Comment>) once per new object of every autograde: it builds each object with its
+# parent set, and SQLAlchemy 2 no longer adds such an object to the session through the parent
+# (the removed cascade_backrefs); nbgrader then adds the whole submission (api.py,
+# Gradebook.add_submission: db.add(submission)), so nothing is lost (tests/test_instructor_flow.py
+# and tests/test_browser.py read the scores it stores). Only that message is silenced.
+import warnings  # noqa: E402
+
+from sqlalchemy.exc import SAWarning  # noqa: E402
+
+warnings.filterwarnings("ignore", message=r"Object of type <\w+> not in session",
+                        category=SAWarning)
+
 # Students see "raise NotImplementedError()" in their answer cells.
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 c.ClearSolutions.text_stub = "YOUR ANSWER HERE"

@@ -36,7 +36,7 @@ def check(function: str, assignment: str | None = None, *, timeout: float = 600.
     from .checking.spec import functions_of
     from .invoke import run_grader
     from .registry import ASSIGNMENTS
-    from .results import FAILED, result_lines, student_message
+    from .results import FAILED, checks_lines
 
     if os.environ.get("AUTOGRADER_DEFER_CHECKS") == "1":
         print(f"{function}: graded by nbgrader's isolated grading run after the notebook ran")
@@ -73,14 +73,7 @@ def check(function: str, assignment: str | None = None, *, timeout: float = 600.
     if not results:
         raise CheckFailed(f"no checks named {function!r} in {assignment}")
     stubs = _unwritten(objects, assignment, results)
-    said = set()
-    for r in results:
-        r = dict(r, message=student_message(r["message"], r["function"], stubs))
-        lines = result_lines(r)
-        if r["status"] == FAILED and r["message"] in said:  # the same reason: say it once
-            lines[1:] = ["      (the same as above)"]
-        said.add(r["message"])
-        print("\n".join(lines))
+    print("\n".join(checks_lines(results, stubs=stubs)))
     summary = _summary(function, results)
     if any(r["status"] == FAILED for r in results):
         raise CheckFailed(f"{summary[:-1]}; inputs from seed {run.report.get('seed')}): the "

@@ -2,7 +2,7 @@
 
 - :class:`CheckResult` and :class:`Report`: one run's outcome (the JSON report is
   ``Report.to_dict()``);
-- :data:`TAG`, :func:`result_lines` and :func:`student_message`: how a check's status and
+- :data:`TAG`, :func:`result_lines`, :func:`checks_lines` and :func:`student_message`: how a check's status and
   message read for people (the CLI table, ``check()`` in a notebook, nbgrader's test cells);
 - :func:`gradescope` and :func:`failure_results`: Gradescope's ``results.json``;
 - :func:`atomic_write`: every file the grader writes.
@@ -79,6 +79,22 @@ _STUB = re.compile(r"(?:RuntimeError: with \d+ processes, rank \d+ failed: )?Not
 #: A frame of the student's code: ``  in cell C, line N[, in F: source]``.
 _FRAME = re.compile(r"  in cell (?P<cell>.+?), line (?P<line>\d+)(?:, in (?P<function>[\w<>]+))?"
                     r"(?:: (?P<source>.*))?")
+
+
+def checks_lines(results: list[dict], points=None, stubs: tuple[str, ...] = ()) -> list[str]:
+    """:func:`result_lines` of each result in order, each message read by
+    :func:`student_message`, and a FAIL whose reason an earlier line already gave reading "(the
+    same as above)": a stub's six checks say "not written yet" once. ``points(result)`` gives
+    the points shown (nbgrader's rule), else the result's own."""
+    said, lines = set(), []
+    for r in results:
+        r = dict(r, message=student_message(r.get("message") or "", r["function"], stubs))
+        these = result_lines(r, None if points is None else points(r))
+        if r["status"] == FAILED and r["message"] and r["message"] in said:
+            these[1:] = ["      (the same as above)"]
+        said.add(r["message"])
+        lines += these
+    return lines
 
 
 def student_message(message: str, function: str, stubs: tuple[str, ...] = ()) -> str:

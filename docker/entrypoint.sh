@@ -31,11 +31,12 @@ fi
 export USER="${USER:-$(id -un 2>/dev/null || echo "uid$(id -u)")}"
 
 # A fresh work folder gets the lessons and the released assignments. Files already there are
-# never overwritten, and a mounted clone of the repository (it has pyproject.toml) is left as is.
+# never overwritten; a mounted clone of the repository (it has pyproject.toml) and a work folder
+# made on the host by make lab or make docker-work (.release.json, its record) are left as is.
 seed_work() {
     local work="$1" part
     mkdir -p "$work"
-    [ -e "$work/pyproject.toml" ] && return 0
+    [ -e "$work/pyproject.toml" ] || [ -e "$work/.release.json" ] && return 0
     for part in course/lessons course/scripts assignments; do
         if [ -d "$COURSE_HOME/$part" ]; then
             "$PYTHON" - "$COURSE_HOME/$part" "$work/$part" <<'PY'

@@ -1,39 +1,55 @@
-"""The student's JupyterLab, seen in a real browser (headless Chromium driven by Selenium).
+"""The course's JupyterLab, seen in a real browser (headless Chromium driven by Selenium).
 
-Why a browser: what a student meets (which menus the lab shows, whether Run All reaches the
-check cells and their verdicts render) is decided by JupyterLab's front end, its extensions
-and the configuration ``make lab`` passes; none of it shows in nbclient runs. The server is
-started the way ``make lab`` starts it (``course.lab``'s environment and command), in a
-temporary root holding a copy of the released A1 notebook, on a free port with a token.
+Why a browser: what a student or an instructor meets (which menus the lab shows, whether Run
+All reaches the check cells and their verdicts render, whether Formgrader's buttons do what
+they say) is decided by JupyterLab's and Formgrader's front ends, their extensions and the
+configuration ``make lab`` passes; none of it shows in nbclient runs. Servers are started the
+way ``make lab`` and ``make lab-instructor`` start them (``course.lab``'s environment and
+command; tests/browser_lab.py), in a temporary root, on a free port with a token.
+
+- The student's lab: A1 opened, Run All, the first check's verdict shown; no nbgrader.
+- The instructor's daily loop in Formgrader (docs/instructor.md, sections 3-6), read from what
+  the pages show, not from HTTP codes: the lab has nbgrader's menu; Formgrader lists A1-A9; A1
+  is generated and released into an exchange of the test's own (``make exchange
+  COURSE_EXCHANGE=...``, the documented way); a student (another user where the test can make
+  one, their own folder, nbgrader's own commands, the exchange in their
+  ``nbgrader_config.py`` as the docs say) fetches it, answers it and submits; the instructor
+  collects, autogrades, opens the submission in Manual Grading and sees each check's line,
+  generates and releases feedback; the student fetches it. The student's notebook is the
+  release with the reference's answers and the demo cells left out (nbgrader neither grades
+  nor checks them), and nothing is timed (``AUTOGRADER_SPEED=skip``): grading itself is tested
+  in tests/test_instructor_flow.py and tests/test_grader_a1.py.
 
 Needs the distribution's ``chromium`` and ``chromium-driver`` (``.ci/run`` installs them
 where it can; Selenium Manager's downloads are never used) and ``selenium`` (the ``dev``
 extra); skipped with the reason otherwise. ``COURSE_CHROMIUM`` / ``COURSE_CHROMEDRIVER`` name
 other binaries.
 
-Tier: both: the lab's configuration per mode is quick; the real lab in headless Chromium is full
-(a minute, and the browser from apt).
+Tier: both: the lab's configuration per mode is quick; the real labs in headless Chromium are
+full (about a minute each on 2 cores, and the browser from apt).
 """
 from __future__ import annotations
 
 import os
-import secrets
+import pwd
 import shutil
-import signal
-import socket
 import subprocess
+import sys
+import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
+import nbformat
 import pytest
 
-from course.lab import config_dir, lab_command, lab_environment
+from browser_lab import (SERVER_START_S, cells, chromium, click_action, click_menu, find_browser,
+                         http_status, menu_labels, open_lab, page_text, row_text, start_lab,
+                         stop_lab, wait)
+from conftest import REPO, paste_reference_answers
+from course.lab import config_dir, lab_environment
 
-REPO = Path(__file__).resolve().parents[1]
 A1 = Path("assignments/a1_data_parallel/data_parallel.ipynb")
-SERVER_START_S, CHECKS_S = 60, 90
+CHECKS_S = 90
 
 
 @pytest.mark.parametrize("mode", ["student", "instructor"])
@@ -64,86 +80,6 @@ def test_lab_mode_configuration(mode, monkeypatch, tmp_path):
     assert ("@jupyter/nbgrader" in disabled) == (mode == "student"), disabled
 
 
-def find_browser() -> tuple[str, str]:
-    """Paths of Chromium and chromedriver, or skip with what is missing and how to get it."""
-    pytest.importorskip("selenium", reason="selenium is not installed (pip install -e '.[dev]')")
-    chromium = os.environ.get("COURSE_CHROMIUM") or next(
-        filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
-    driver = os.environ.get("COURSE_CHROMEDRIVER") or shutil.which("chromedriver")
-    missing = [name for name, path in (("chromium", chromium), ("chromedriver", driver)) if not path]
-    if missing:
-        pytest.skip(f"no {' and no '.join(missing)} on PATH: install the packages chromium and "
-                    "chromium-driver (apt-get), or set COURSE_CHROMIUM / COURSE_CHROMEDRIVER")
-    return chromium, driver
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the server is told not to retry another one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-
-
-def start_lab(mode: str, root: Path, home: Path) -> tuple[subprocess.Popen, str, str]:
-    """JupyterLab in ``mode`` on ``root``; returns the process, its base URL and token.
-
-    The user's own Jupyter configuration, runtime files and workspaces are kept out
-    (JUPYTER_CONFIG_DIR, JUPYTER_RUNTIME_DIR in ``home``): only the course's folder applies.
-    The kernel imports this checkout's ``course`` and ``autograder`` (PYTHONPATH).
-    """
-    port, token = free_port(), secrets.token_hex(16)
-    env = lab_environment(mode)
-    env.update(JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
-               IPYTHONDIR=str(home / "ipython"), COURSE_OFFLINE="1", COURSE_DATA=str(home / "data"),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
-    args = ["--no-browser", "--ip=127.0.0.1", f"--port={port}", "--ServerApp.port_retries=0",
-            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"]
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        args.append("--allow-root")
-    log = open(home / f"{mode}-lab.log", "wb")
-    proc = subprocess.Popen(lab_command(args), env=env, cwd=root, stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + SERVER_START_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"JupyterLab exited with {proc.returncode}:\n"
-                        + (home / f"{mode}-lab.log").read_text(errors="replace")[-3000:])
-        try:
-            if http_status(f"{base}/api/status?token={token}") == 200:
-                return proc, base, token
-        except OSError:
-            pass
-        time.sleep(0.5)
-    stop_lab(proc)
-    pytest.fail(f"JupyterLab did not answer within {SERVER_START_S} s")
-
-
-def stop_lab(proc: subprocess.Popen) -> None:
-    """Stop the server, its kernels and their grader processes (one session, ours)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)  # twice: no confirmation prompt
-        time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # leftovers of this session only
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 @pytest.fixture
 def lab(tmp_path):
     """Start JupyterLab in a given mode on a temporary root with the A1 notebook."""
@@ -165,58 +101,11 @@ def lab(tmp_path):
 
 @pytest.fixture
 def browser(tmp_path):
-    """Headless Chromium with a fresh profile, nothing fetched in the background."""
-    chromium, driver_path = find_browser()
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--no-first-run", "--window-size=1400,1000",
-                f"--user-data-dir={tmp_path / 'chromium-profile'}"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    """Headless Chromium with a fresh profile (skipped without Chromium, with the reason)."""
+    find_browser()
+    driver = chromium(tmp_path / "chromium-profile")
     yield driver
     driver.quit()
-
-
-def menu_labels(driver) -> list[str]:
-    """The labels of JupyterLab's main menu bar (File, Edit, ..., Help)."""
-    return [e.get_attribute("textContent").strip()
-            for e in driver.find_elements("css selector", "#jp-MainMenu .lm-MenuBar-itemLabel")]
-
-
-def open_lab(driver, base: str, token: str, path: str = "") -> None:
-    """Open ``path`` in JupyterLab (a fresh workspace) and wait for its menu bar."""
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    driver.get(f"{base}/lab{'/tree/' + path if path else ''}?token={token}&reset")
-    WebDriverWait(driver, SERVER_START_S).until(lambda d: "Help" in menu_labels(d))
-
-
-def click_menu(driver, menu: str, item: str) -> None:
-    """Open the main menu ``menu`` and click its entry labelled ``item``."""
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    next(e for e in driver.find_elements("css selector", "#jp-MainMenu .lm-MenuBar-item")
-         if e.get_attribute("textContent").strip() == menu).click()
-
-    def entry(d):
-        return next((e for e in d.find_elements("css selector", ".lm-Menu li.lm-Menu-item")
-                     if e.get_attribute("textContent").strip().startswith(item)
-                     and "lm-mod-disabled" not in e.get_attribute("class")), None)
-
-    WebDriverWait(driver, 10).until(entry).click()
-
-
-def cells(driver) -> list[tuple[str, str]]:
-    """(source, output text) of every cell of the open notebook, in order."""
-    return driver.execute_script("""
-        return Array.from(document.querySelectorAll('.jp-NotebookPanel .jp-Notebook .jp-Cell'))
-          .map(c => [(c.querySelector('.jp-InputArea-editor') || {}).textContent || '',
-                     (c.querySelector('.jp-OutputArea') || {}).textContent || '']);""")
 
 
 @pytest.mark.slow
@@ -263,17 +152,143 @@ def test_student_runs_a1_and_sees_check_results_without_nbgrader(lab, browser, t
           f"screenshot {tmp_path / 'student_lab_a1.png'}")
 
 
+# ------------------------------------------------------- the instructor's loop in Formgrader
+
+ASSIGNMENT, NOTEBOOK = A1.parent.name, A1.name
+AUTOGRADE_S = 300
+#: The student is another user where the test can make one (as root: nobody, through setpriv),
+#: else the user running the tests: nbgrader names a submission by the OS user who submitted it.
+AS_STUDENT = (["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+              if os.geteuid() == 0 and shutil.which("setpriv") else [])
+STUDENT = pwd.getpwuid(65534 if AS_STUDENT else os.geteuid()).pw_name
+
+
+def nbgrader(cwd: Path, env: dict, *args: str, student: bool = False) -> str:
+    command = [*(AS_STUDENT if student else []), str(Path(sys.executable).parent / "nbgrader"), *args]
+    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"nbgrader {' '.join(args)}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    return proc.stdout + proc.stderr
+
+
+def student_answers(release: Path) -> nbformat.NotebookNode:
+    """The release with the reference's code answers and a written answer, demo cells left out."""
+    nb = nbformat.read(release, as_version=4)
+    assert paste_reference_answers(nb, REPO / "solutions" / ASSIGNMENT / NOTEBOOK) > 0
+    kept = []
+    for cell in nb.cells:
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        if cell.cell_type == "markdown" and meta.get("solution"):
+            cell.source = "Each step moved gradients between the devices, which cost more than it saved."
+        if cell.cell_type != "code" or any(meta.get(k) for k in ("grade", "solution", "locked")):
+            kept.append(cell)
+    nb.cells = kept
+    return nb
+
+
+@pytest.fixture
+def course(tmp_path, tiny_data):
+    """An instructor's course directory (config and sources of A1-A9), an empty exchange
+    (``make exchange COURSE_EXCHANGE=...``), and a student's own folder and nbgrader
+    configuration naming the same exchange. The exchange and the student's folder lie in a
+    folder the student can reach (pytest's are the runner's alone)."""
+    shared = Path(tempfile.mkdtemp(prefix="formgrader-"))
+    shared.chmod(0o755)
+    course, exchange, student = tmp_path / "course", shared / "exchange", shared / "student"
+    course.mkdir()
+    subprocess.run(["make", "-s", "-C", str(REPO), "exchange", f"COURSE_EXCHANGE={exchange}"],
+                   check=True, capture_output=True, timeout=60)  # docs/instructor.md's way
+    assert exchange.is_dir() and exchange.stat().st_mode & 0o777 == 0o777
+    shutil.copy(REPO / "nbgrader_config.py", course)
+    shutil.copytree(REPO / "solutions", course / "solutions",
+                    ignore=shutil.ignore_patterns(".*", "__pycache__"))
+    (student / "config").mkdir(parents=True)
+    (student / "config" / "nbgrader_config.py").write_text(
+        "c = get_config()  # noqa: F821\n"
+        f"c.Exchange.root = {str(exchange)!r}\n"
+        "c.CourseDirectory.course_id = 'scale-pytorch'\n")
+    env = {"COURSE_EXCHANGE": str(exchange), "COURSE_DATA": str(tiny_data),
+           "AUTOGRADER_SPEED": "skip",
+           "AUTOGRADER_CALIBRATION": str(tiny_data / "no-calibration.json")}
+    if AS_STUDENT:
+        shutil.chown(student, "nobody", 65534)
+        shutil.chown(student / "config", "nobody", 65534)
+    student_env = {**os.environ, "HOME": str(student), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                   "JUPYTER_CONFIG_DIR": str(student / "config"),
+                   "PYTHONWARNINGS": "ignore"}
+    yield course, exchange, student, env, student_env
+    shutil.rmtree(shared, ignore_errors=True)
+
+
 @pytest.mark.slow
 @pytest.mark.full
-def test_instructor_lab_keeps_nbgrader(lab, browser, tmp_path):
-    """The contrast to the student's lab: the same notebook with nbgrader's menu and panels."""
-    from selenium.webdriver.support.ui import WebDriverWait
+def test_formgrader_release_collect_autograde_feedback(course, browser, tmp_path):
+    course, exchange, student, env, student_env = course
+    (tmp_path / "home").mkdir()
+    proc, base, token = start_lab("instructor", course, tmp_path / "home", env)
+    try:
+        started = time.monotonic()
+        open_lab(browser, base, token)
+        assert "Nbgrader" in menu_labels(browser)
+        wait(browser, lambda d: "Create Assignment" in page_text(d))  # nbgrader's side panel
 
-    base, token = lab("instructor")
-    open_lab(browser, base, token, A1.as_posix())
-    WebDriverWait(browser, 30).until(lambda d: "Nbgrader" in menu_labels(d)
-                                     and any('check("copy_params")' in s for s, _ in cells(d)))
-    browser.save_screenshot(str(tmp_path / "instructor_lab.png"))
-    body = browser.find_element("tag name", "body").get_attribute("textContent")
-    assert "Create Assignment" in body and "Jupyter news" not in body
-    assert http_status(f"{base}/formgrader?token={token}") == 200
+        # Manage Assignments: every assignment of solutions/, ASSIGNMENT a draft
+        browser.get(f"{base}/formgrader?token={token}")
+        names = [f"a{i}_" for i in range(1, 10)]
+        wait(browser, lambda d: all(n in page_text(d) for n in names), 60)
+        assert "draft" in wait(browser, lambda d: row_text(d, ASSIGNMENT, "td.status"))
+
+        said = click_action(browser, ASSIGNMENT, "assign", 120)  # Generate
+        assert f"Successfully created the student version of '{ASSIGNMENT}'" in said, said
+        said = click_action(browser, ASSIGNMENT, "release")
+        assert f"Successfully released '{ASSIGNMENT}'" in said, said
+        wait(browser, lambda d: "released" in (row_text(d, ASSIGNMENT, "td.status") or ""))
+        assert (exchange / "scale-pytorch" / "outbound" / ASSIGNMENT / NOTEBOOK).exists()
+
+        # The student: fetch, answer, submit (nbgrader's commands, their own name and folder)
+        nbgrader(student, student_env, "fetch_assignment", ASSIGNMENT, student=True)
+        fetched = student / ASSIGNMENT / NOTEBOOK
+        assert "BEGIN SOLUTION" not in fetched.read_text()
+        nbformat.write(student_answers(fetched), fetched)
+        nbgrader(student, student_env, "submit", ASSIGNMENT, student=True)
+
+        # Collect, then Manage Submissions: autograde alice's submission
+        browser.get(f"{base}/formgrader?token={token}")
+        said = click_action(browser, ASSIGNMENT, "collect")
+        assert "Successfully collected" in said, said
+        assert (course / "submitted" / STUDENT / ASSIGNMENT / NOTEBOOK).exists(), said
+        click_action(browser, ASSIGNMENT, "num-submissions")  # the count of submissions, 1
+        wait(browser, lambda d: "needs autograding" in page_text(d))
+        said = click_action(browser, STUDENT, "autograde", AUTOGRADE_S)
+        assert f"Successfully autograded '{ASSIGNMENT}' for student '{STUDENT}'" in said, said
+        wait(browser, lambda d: "needs manual grading" in (row_text(d, STUDENT) or ""))
+        score = row_text(browser, STUDENT, "td.score")
+
+        # Manual Grading: the submission shows each check's verdict and the points
+        browser.get(f"{base}/formgrader/gradebook/{ASSIGNMENT}/{NOTEBOOK.removesuffix('.ipynb')}?token={token}")
+        wait(browser, lambda d: d.find_elements("css selector", "td.name a"))
+        browser.find_element("css selector", "td.name a").click()
+        wait(browser, lambda d: "copy_params" in page_text(d) and "PASS" in page_text(d), 60)
+        text = page_text(browser)
+        browser.save_screenshot(str(tmp_path / "formgrader_submission.png"))
+        for function in ("copy_params", "allreduce", "train_batch"):
+            assert f"PASS  {function}" in text or f"PASS {function}" in text, text[:4000]
+        assert "FAIL" not in text and "Traceback" not in text, text[:4000]
+        assert "point(s) not given" in text  # the speed check, not timed, earns nothing
+
+        # Feedback: generated from Formgrader, released into the exchange, fetched by the student
+        browser.get(f"{base}/formgrader?token={token}")
+        said = click_action(browser, ASSIGNMENT, "generate-feedback", 120)
+        assert "Successfully generated feedback" in said, said
+        said = click_action(browser, ASSIGNMENT, "release-feedback")
+        assert "Successfully released feedback" in said, said
+        nbgrader(student, student_env, "fetch_feedback", ASSIGNMENT, student=True)
+        feedback = list((student / ASSIGNMENT / "feedback").glob(f"*/{NOTEBOOK.replace('.ipynb', '.html')}"))
+        assert feedback, sorted(p.relative_to(student) for p in student.rglob("*"))
+        html = feedback[0].read_text()
+        assert "PASS" in html and "copy_params" in html and "BEGIN SOLUTION" not in html
+        print(f"Formgrader loop done in {time.monotonic() - started:.0f} s; {STUDENT} scored {score}")
+    finally:
+        stop_lab(proc)
+    log = (tmp_path / "home" / "instructor-lab.log").read_text(errors="replace")
+    assert "SAWarning" not in log, log[-3000:]
+    assert "alembic" not in log or "FileNotFoundError" not in log, log[-3000:]

@@ -27,7 +27,7 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_output
 
-from ..results import FAILED, SKIP_EARNS_NOTHING, SKIPPED, result_lines
+from ..results import FAILED, SKIP_EARNS_NOTHING, SKIPPED, checks_lines
 from .gradebook import points_of
 
 try:
@@ -87,11 +87,9 @@ def cell_outputs(report: dict, function: str, cell_points: float) -> list:
     if not results:
         why = report.get("error") or f"no checks for {function} ran"
         return [_error(f"not graded: {why}")]
-    lines, earned, top = [], 0.0, 0.0
-    for r in results:
-        got = points_of(r)
-        earned, top = earned + got, top + r["max_points"]
-        lines += result_lines(r, got)
+    earned = sum(points_of(r) for r in results)
+    top = sum(r["max_points"] for r in results)
+    lines = checks_lines(results, points_of)
     skipped = [r for r in results if r["status"] == SKIPPED]
     if skipped:
         lines.append(f"SKIP: {sum(r['max_points'] for r in skipped):g} point(s) not given. "
