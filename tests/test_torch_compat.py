@@ -121,3 +121,20 @@ def test_needs_says_which_release(capsys):
     assert compat.needs(2, 0, "anything")
     assert not compat.needs(99, 0, "a future feature")
     assert "a future feature needs torch >= 99.0" in capsys.readouterr().out
+
+
+def test_every_test_file_is_sorted_for_the_other_torch_runs():
+    """CI runs ``make test-torch`` (the quick tier's tests that reach torch's APIs) on the oldest
+    and newest supported torch: a new test file must be put in the Makefile's TORCH_TESTS or
+    TORCH_INDEPENDENT_TESTS, never fall out of both unnoticed."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    makefile = repo.joinpath("Makefile").read_text().replace("\\\n", " ")
+    lists = {name: set(re.search(rf"^{name} = (.*)$", makefile, re.M).group(1).split())
+             for name in ("TORCH_TESTS", "TORCH_INDEPENDENT_TESTS")}
+    files = {p.stem for p in repo.joinpath("tests").glob("test_*.py")}
+    assert not lists["TORCH_TESTS"] & lists["TORCH_INDEPENDENT_TESTS"]
+    assert lists["TORCH_TESTS"] | lists["TORCH_INDEPENDENT_TESTS"] == files, (
+        files ^ (lists["TORCH_TESTS"] | lists["TORCH_INDEPENDENT_TESTS"]))

@@ -60,6 +60,9 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
               "A9 / lesson 17: torch.distributed.checkpoint save and load time and bytes per "
               "rank, sync vs async, 3 model sizes on 1, 2, 4 processes; kill-to-first-step "
               "restart time under torchrun"),
+    Benchmark("check-latency", "autograder.bench.check_latency",
+              "how long check() takes in a kernel that imported torch, first and repeated, "
+              "for A1 and A2, and a whole A1 grading, against `import torch` (needs solutions/)"),
     Benchmark("grading", "autograder.bench.grading",
               "the grader: seconds to grade each assignment's reference and stub, processes "
               "started, slowest checks; table into docs/benchmarks.md"),
