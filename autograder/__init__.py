@@ -33,8 +33,11 @@ def check(function: str, assignment: str | None = None, *, timeout: float = 600.
     import os
     import tempfile
 
-    from .checking.spec import functions_of
-    from .invoke import run_grader
+    import time
+
+    from .checking.spec import functions_of, load_spec
+    from .invoke import grader_env, run_grader
+    from .warm import run_warm
     from .registry import ASSIGNMENTS
     from .results import FAILED, checks_lines
 
@@ -61,12 +64,21 @@ def check(function: str, assignment: str | None = None, *, timeout: float = 600.
         data = buffer.getvalue()
     except Exception as exc:
         raise CheckFailed(f"your definitions could not be sent to the grader: {exc}") from None
+    checks = [c for c in load_spec(assignment).checks if c.function == function]
+    print(f"grading {function}: {len(checks)} check{'s' if len(checks) != 1 else ''} in a "
+          "sandbox ...", flush=True)
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="check-") as tmp:
         pkl = os.path.join(tmp, "objects.pkl")
         with open(pkl, "wb") as f:
             f.write(data)
-        run = run_grader(["grade-objects", pkl, "--assignment", assignment, "--only", function],
-                         timeout=timeout)
+        args = ["grade-objects", pkl, "--assignment", assignment, "--only", function]
+        run, note = run_warm(args, timeout=timeout, env=grader_env())  # autograder/warm.py
+        if note:
+            print(note, flush=True)
+        if run is None:
+            run = run_grader(args, timeout=timeout)
+    seconds = time.monotonic() - started
     if run.report is None:
         raise CheckFailed("the grader did not finish:\n" + run.output[-2000:])
     results = run.report["results"]
@@ -76,9 +88,9 @@ def check(function: str, assignment: str | None = None, *, timeout: float = 600.
     print("\n".join(checks_lines(results, stubs=stubs)))
     summary = _summary(function, results)
     if any(r["status"] == FAILED for r in results):
-        raise CheckFailed(f"{summary[:-1]}; inputs from seed {run.report.get('seed')}): the "
-                          "FAIL lines above say why")
-    print(summary)
+        raise CheckFailed(f"{summary[:-1]}; inputs from seed {run.report.get('seed')}; "
+                          f"{seconds:.1f} s): the FAIL lines above say why")
+    print(f"{summary} in {seconds:.1f} s")
 
 
 def _summary(function: str, results: list[dict]) -> str:

@@ -33,6 +33,14 @@ _PIN = ("import os, sys; os.sched_setaffinity(0, [int(c) for c in sys.argv[1].sp
         "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
 
 
+def grader_env(env: dict | None = None) -> dict:
+    """The grader's environment: ``env`` (default: this process's), this checkout first on
+    PYTHONPATH."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
 def run_grader(args: list[str], *, timeout: float, env: dict | None = None,
                extra_outputs: dict[str, Path] | None = None, cpus: list[int] | None = None,
                on_start=None) -> GraderRun:
@@ -45,8 +53,7 @@ def run_grader(args: list[str], *, timeout: float, env: dict | None = None,
 
     from .sandbox.isolation import kill_tree
 
-    env = dict(os.environ if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = grader_env(env)
     with tempfile.TemporaryDirectory(prefix="grader-run-") as tmp:
         report_path = Path(tmp, "report.json")
         spare = {p.pid for p in psutil.Process().children(recursive=True)}

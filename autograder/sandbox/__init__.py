@@ -43,11 +43,13 @@ from course.launch import PRELOAD_ENV
 
 from ..registry import REPO
 from . import cgroup as cgroups
-from . import framing
+from . import framing, template
 from .framing import WARM_RANKS_ENV, decode_reply, read_frame, write_frame
 from .isolation import (UNSHARE, become_subreaper, check_confinement, isolation_mode, kill_tree,
-                        note_cgroup, sandbox_user)
+                        note_cgroup, note_cold_start, sandbox_user)
+from .isolation import FORKED
 from .policy import NEVER as HIDDEN  # parts of the repository graded code never sees
+from .policy import TMPFS_BYTES
 
 OUTPUT_TAIL_BYTES = 4000          # how much of the child's output a message may quote
 MAX_OUTPUT_FILE_BYTES = 64 << 20  # the child's output file may not grow past this
@@ -113,6 +115,8 @@ class Sandbox:
     _spare: set[int] = field(default_factory=set)
     _cgroup: cgroups.Cgroup | None = None
     _loading: threading.Thread | None = None
+    _template: object | None = None  # the warm template the worker came from, if any
+    _work: Path | None = None        # its work folder there
 
     # -- lifecycle
     def start(self) -> None:
@@ -147,6 +151,16 @@ class Sandbox:
             env[PRELOAD_ENV] = ",".join(self.rank_modules)
         cmd = [sys.executable, "-m", "autograder.sandbox.worker", str(req_r), str(rep_w)]
         mode = isolation_mode()
+        self._cgroup = cgroups.make(self.limits.max_memory_bytes * 5 // 4 + (256 << 20),
+                                    self.limits.max_processes * 64)
+        note_cgroup(self._cgroup is not None)
+        if mode == "bwrap" and template.CURRENT is not None and sandbox_user() is None:
+            try:
+                self._start_forked(template.CURRENT, env, req_r, rep_w)
+                return
+            except template.TemplateUnavailable as exc:  # not asked again by this grading;
+                template.CURRENT = None                  # the warm grader replaces it
+                note_cold_start(str(exc))
         if mode == "bwrap":
             from .policy import bwrap_command
 
@@ -156,12 +170,6 @@ class Sandbox:
             env["AUTOGRADER_HIDE"] = os.pathsep.join(
                 str(p) for p in [REPO / n for n in HIDDEN] if p.exists())
             env["AUTOGRADER_WRITABLE"] = str(work)
-        # the kernel's limits sit above the watchdog's (which names what was exceeded): they
-        # stop what polling cannot see or catch in time (shared memory, a fast fork bomb)
-        # tasks: the kernel counts threads too (a gloo rank of torch runs a dozen or more)
-        self._cgroup = cgroups.make(self.limits.max_memory_bytes * 5 // 4 + (256 << 20),
-                                    self.limits.max_processes * 64)
-        note_cgroup(self._cgroup is not None)
         as_user = {}
         if (user := sandbox_user()) is not None:  # root grading: graded code runs as user
             os.chmod(self._dir, 0o711)  # it may enter, not list nor change, the grader's folder
@@ -176,6 +184,26 @@ class Sandbox:
                 preexec_fn=functools.partial(_child_limits, self._cgroup), **as_user)
         os.close(req_r)
         os.close(rep_w)
+        self._send_load()
+
+    def _start_forked(self, tpl, env: dict, req_r: int, rep_w: int) -> None:
+        """The worker forked by the sandbox's warm template (:mod:`.template`), in a work folder
+        of the template's scratch; into the cgroup before it may run anything."""
+        self._work = tpl.new_work_folder()
+        env.update(HOME=str(self._work), TMPDIR=str(self._work))
+        with open(self._out_path, "wb") as out:
+            self._proc = tpl.spawn(self._work, env, out.fileno(), req_r, rep_w,
+                                   TMPFS_BYTES, MAX_OUTPUT_FILE_BYTES)
+        self._template = tpl
+        FORKED.append(True)
+        os.close(req_r)
+        os.close(rep_w)
+        if self._cgroup is not None:
+            self._cgroup.add(self._proc.pid)
+        write_frame_byte(self._req_w)
+        self._send_load()
+
+    def _send_load(self) -> None:
         self._load_deadline = time.monotonic() + self.limits.load_timeout
         # written from a thread: the cells may not fit in the pipe before the worker reads
         request = pickle.dumps({"op": "load", "cells": self.cells, "objects": self.objects})
@@ -191,7 +219,7 @@ class Sandbox:
         timeout = max(self._load_deadline - time.monotonic(), 0.1)
         writer.join(timeout)
         reply = self._request(None, timeout, "loading your notebook's code")
-        check_confinement(self._proc.pid)
+        check_confinement(self._proc.pid, forked=self._template is not None)
         self.cell_errors = dict(reply.get("cell_errors", {}))
 
     def alive(self) -> bool:
@@ -201,6 +229,8 @@ class Sandbox:
         writer, self._loading = self._loading, None
         if self._proc is not None:
             kill_tree(self._proc.pid, self._spare)
+            if self._template is not None:  # and what it left in the template's sandbox
+                self._template.kill_workers()
             if writer is not None:  # its pipe's reader is gone: the write ends at once
                 writer.join(timeout=5)
             for fd in (self._req_w, self._rep_r):
@@ -214,6 +244,9 @@ class Sandbox:
                 pass
             self._proc = None
             shutil.rmtree(self._dir, ignore_errors=True)
+            if self._work is not None:
+                shutil.rmtree(self._work, ignore_errors=True)
+            self._template = self._work = None
             if self._cgroup is not None:
                 self._cgroup.remove()
                 self._cgroup = None
@@ -309,6 +342,11 @@ class Sandbox:
             # RSS is cheap but counts pages that forked processes share; PSS splits them fairly
             raise LimitExceeded(f"stopped: your code used more than "
                                 f"{self.limits.max_memory_bytes / 2**30:.1f} GiB of memory")
+
+
+def write_frame_byte(fd: int) -> None:
+    """The go-ahead a forked worker waits for (it is in its cgroup now)."""
+    os.write(fd, b"g")
 
 
 def _write_quietly(fd: int, data: bytes) -> None:

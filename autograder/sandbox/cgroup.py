@@ -36,6 +36,13 @@ class Cgroup:
             with open(d / "cgroup.procs", "w") as f:
                 f.write("0")
 
+    def add(self, pid: int) -> None:
+        """Move process ``pid`` into the group (a worker forked by the warm template, before it
+        runs anything)."""
+        for d in self.dirs:
+            with open(d / "cgroup.procs", "w") as f:
+                f.write(str(pid))
+
     def oom_killed(self) -> bool:
         """Whether the kernel killed a process of the group for want of memory."""
         try:

@@ -151,7 +151,23 @@ def isolation_summary() -> str:
                     "seccomp only, network not cut; " + limits)
     if CONFINEMENT_PROBLEMS:
         text += "; WARNING: " + "; ".join(sorted(CONFINEMENT_PROBLEMS))
+    if COLD_STARTS:
+        text += f"; the warm template failed ({COLD_STARTS[0]}): workers started cold"
+    elif FORKED:
+        text += "; workers forked from the sandbox's warm template (own mount, IPC, net namespaces)"
     return text
+
+
+#: Why this grading's worker started cold although a warm template was there (one line each).
+COLD_STARTS: list[str] = []
+
+
+def note_cold_start(why: str) -> None:
+    COLD_STARTS.append(why)
+
+
+#: Whether a worker of this grading was forked from the sandbox's warm template.
+FORKED: list[bool] = []
 
 
 #: What the grader saw missing in a worker's /proc/<pid>/status (:func:`check_confinement`).
@@ -165,16 +181,17 @@ def note_cgroup(used: bool) -> None:
         _CGROUPS_SEEN.append(True)
 
 
-def check_confinement(root_pid: int) -> None:
-    """Read, from outside, the status of the worker started under ``root_pid``: no capability,
-    ``no_new_privs``, a seccomp filter. Anything missing goes into the report's isolation line."""
+def check_confinement(root_pid: int, forked: bool = False) -> None:
+    """Read, from outside, the status of the worker started under ``root_pid`` (``forked``: the
+    worker itself, forked by the sandbox's warm template): no capability, ``no_new_privs``, a
+    seccomp filter. Anything missing goes into the report's isolation line."""
     try:
         procs = [psutil.Process(root_pid), *psutil.Process(root_pid).children(recursive=True)]
     except psutil.Error:
         return
     for p in procs:
         try:
-            if p.cmdline()[1:3] != ["-m", "autograder.sandbox.worker"]:
+            if not forked and p.cmdline()[1:3] != ["-m", "autograder.sandbox.worker"]:
                 continue  # bwrap or unshare, whose arguments name the worker too
             status = dict(line.split(":", 1) for line in
                           Path(f"/proc/{p.pid}/status").read_text().splitlines() if ":" in line)

@@ -100,9 +100,12 @@ def visible_paths() -> list[str]:
 
 def bwrap_command(scratch: Path) -> list[str]:
     """The bubblewrap command that runs the worker (append the worker's own command)."""
+    # --as-pid-1: the worker is the PID namespace's first process, under no process of the
+    # sandbox that lacks its seccomp filter (bubblewrap's reaper would be one, and on a kernel
+    # without Yama graded code of the same uid could open its memory)
     cmd = ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
-           "--uid", str(SANDBOX_ID), "--gid", str(SANDBOX_ID), "--hostname", "sandbox",
-           "--cap-drop", "ALL"]
+           "--as-pid-1", "--uid", str(SANDBOX_ID), "--gid", str(SANDBOX_ID),
+           "--hostname", "sandbox", "--cap-drop", "ALL"]
     # /tmp first: a Python or scratch folder inside /tmp is bound over it, not hidden by it
     cmd += ["--perms", "1777", "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp"]
     for link in _LINKS:

@@ -76,6 +76,11 @@ def _isolate() -> None:
     for path in (b"/proc/sys", b"/proc/sysrq-trigger"):  # root outside may write them otherwise
         libc.mount(path, path, None, _MS_BIND, None)
         libc.mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
+    loopback_up()
+
+
+def loopback_up() -> None:
+    """Bring the loopback interface of a new network namespace up (gloo uses 127.0.0.1)."""
     try:  # SIOCGIFFLAGS / SIOCSIFFLAGS: set IFF_UP on "lo"
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             ifreq = struct.pack("16sH14s", b"lo", 0, b"")
@@ -194,8 +199,8 @@ class _NoShell:
 
 
 def main(req_fd: int, rep_fd: int) -> None:
-    if os.getpid() == 1:  # we are PID 1 of a fresh PID namespace made by unshare
-        _isolate()
+    if os.getpid() == 1 and "AUTOGRADER_WRITABLE" in os.environ:
+        _isolate()  # PID 1 of a fresh PID namespace made by unshare (bubblewrap's is set up)
     from autograder.sandbox.confine import confine
 
     for problem in confine():  # before anything else starts: every process inherits it
