@@ -36,8 +36,7 @@ def check(function: str, assignment: str | None = None, *, timeout: float = 600.
     import time
 
     from .checking.spec import functions_of, load_spec
-    from .invoke import grader_env, run_grader
-    from .warm import run_warm
+    from .invoke import run_grader
     from .registry import ASSIGNMENTS
     from .results import FAILED, checks_lines
 
@@ -68,24 +67,30 @@ def check(function: str, assignment: str | None = None, *, timeout: float = 600.
     print(f"grading {function}: {len(checks)} check{'s' if len(checks) != 1 else ''} in a "
           "sandbox ...", flush=True)
     started = time.monotonic()
+    stubs = _unwritten(objects, assignment, [{"name": c.name} for c in checks])
+    said, shown = set(), set()
+
+    def show(result: dict) -> None:  # each check's lines as it ends
+        if result.get("name") not in shown:
+            shown.add(result.get("name"))
+            print("\n".join(checks_lines([result], stubs=stubs, said=said)), flush=True)
+
     with tempfile.TemporaryDirectory(prefix="check-") as tmp:
         pkl = os.path.join(tmp, "objects.pkl")
         with open(pkl, "wb") as f:
             f.write(data)
-        args = ["grade-objects", pkl, "--assignment", assignment, "--only", function]
-        run, note = run_warm(args, timeout=timeout, env=grader_env())  # autograder/warm.py
-        if note:
-            print(note, flush=True)
-        if run is None:
-            run = run_grader(args, timeout=timeout)
+        run = run_grader(["grade-objects", pkl, "--assignment", assignment, "--only", function],
+                         timeout=timeout, progress=show)  # forked from a warm template
+        if run.note:
+            print(run.note, flush=True)
     seconds = time.monotonic() - started
     if run.report is None:
         raise CheckFailed("the grader did not finish:\n" + run.output[-2000:])
     results = run.report["results"]
     if not results:
         raise CheckFailed(f"no checks named {function!r} in {assignment}")
-    stubs = _unwritten(objects, assignment, results)
-    print("\n".join(checks_lines(results, stubs=stubs)))
+    for r in results:  # the report is what counts: anything the progress lines missed
+        show(r)
     summary = _summary(function, results)
     if any(r["status"] == FAILED for r in results):
         raise CheckFailed(f"{summary[:-1]}; inputs from seed {run.report.get('seed')}; "

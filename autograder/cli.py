@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                          help="grade only the checks of these functions (comma-separated)")
         cmd.add_argument("--seed", type=int, help="the inputs' seed (a report prints its own)")
         cmd.add_argument("--report", metavar="PATH", help="write the full report as JSON here")
+        cmd.add_argument("--progress", metavar="PATH",
+                         help="append each check's result here as it ends, a JSON line each "
+                              "(what check() shows while a grading runs)")
         cmd.add_argument("--speed", choices=("measure", "skip"),
                          default=os.environ.get("AUTOGRADER_SPEED", "measure"),
                          help="skip: speed checks SKIP with that reason, nothing is timed (for "
@@ -89,18 +92,34 @@ def main(argv: list[str] | None = None) -> int:
                                          "max_score": 0, "error": str(exc), "results": []})
             return 2
         report = run_checks(sub.assignment, sub.cells, only=args.only, problems=sub.problems,
-                            seed=args.seed, measure_speed=args.speed == "measure")
+                            seed=args.seed, measure_speed=args.speed == "measure",
+                            progress=_progress_writer(args.progress))
     else:  # grade-objects: the kernel's own definitions, after the trusted set-up cells
         setup = [c for c in runnable_cells(get(args.assignment).release) if c[0] == "setup"]
         report = run_checks(args.assignment, setup, objects=Path(args.pickle).read_bytes(),
                             only=args.only, seed=args.seed,
-                            measure_speed=args.speed == "measure")
+                            measure_speed=args.speed == "measure",
+                            progress=_progress_writer(args.progress))
     print(table(report))
     if getattr(args, "json", None):
         write_json(args.json, gradescope(report))
     if args.report:
         write_json(args.report, report.to_dict())
     return 0
+
+
+def _progress_writer(path: str | None):
+    """``--progress PATH``: each result as a JSON line, flushed as it ends."""
+    if not path:
+        return None
+    import json
+    from dataclasses import asdict
+
+    def write(result) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(asdict(result)) + "\n")
+
+    return write
 
 
 def calibrate(names: list[str] | None) -> int:

@@ -81,12 +81,14 @@ _FRAME = re.compile(r"  in cell (?P<cell>.+?), line (?P<line>\d+)(?:, in (?P<fun
                     r"(?:: (?P<source>.*))?")
 
 
-def checks_lines(results: list[dict], points=None, stubs: tuple[str, ...] = ()) -> list[str]:
+def checks_lines(results: list[dict], points=None, stubs: tuple[str, ...] = (),
+                 said: set | None = None) -> list[str]:
     """:func:`result_lines` of each result in order, each message read by
     :func:`student_message`, and a FAIL whose reason an earlier line already gave reading "(the
     same as above)": a stub's six checks say "not written yet" once. ``points(result)`` gives
-    the points shown (nbgrader's rule), else the result's own."""
-    said, lines = set(), []
+    the points shown (nbgrader's rule), else the result's own; ``said``: the reasons given by
+    earlier calls (results shown one at a time), updated."""
+    said, lines = (set() if said is None else said), []
     for r in results:
         r = dict(r, message=student_message(r.get("message") or "", r["function"], stubs))
         these = result_lines(r, None if points is None else points(r))

@@ -211,17 +211,51 @@ def _found_by_name(obj) -> bool:
     return target is obj
 
 
-def start_fork_server() -> bool:
+def start_fork_server(forked: bool = False) -> bool:
     """Start the fork server now, without waiting for its imports, so that they overlap with
     whatever this process does next (the grader's sandbox calls it before it imports torch and
-    loads a submission). Returns whether ranks will start from it (:func:`start_method`)."""
+    loads a submission). Returns whether ranks will start from it (:func:`start_method`).
+
+    ``forked``: the server is this process forked, not a new interpreter: for a process that
+    already imported what the server preloads and has run nothing else yet (no thread pool, no
+    CUDA, no other thread), as the grader's worker forked from its warm template has; it is
+    ready at once instead of importing torch again."""
     if start_method() != "forkserver":
         return False
     _fork_server_context()
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, util
 
-    forkserver.ensure_running()
+    if not forked:
+        forkserver.ensure_running()
+        return True
+    spawn = util.spawnv_passfds
+    util.spawnv_passfds = _fork_and_run
+    try:
+        forkserver.ensure_running()
+    finally:
+        util.spawnv_passfds = spawn
     return True
+
+
+def _fork_and_run(path, args, passfds):
+    """``multiprocessing.util.spawnv_passfds`` for :func:`start_fork_server`'s ``forked``: fork
+    and run the ``-c`` program the server would have been started with (its descriptors are
+    inherited); the pid, as the original returns it."""
+    program = args[args.index("-c") + 1]
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            start = 3  # as after exec: only the standard streams and the passed descriptors
+            for fd in sorted({*passfds, 1 << 16}):
+                if fd >= start:
+                    os.closerange(start, fd)
+                    start = fd + 1
+            exec(compile(program, "<fork server>", "exec"), {"__name__": "__mp_main__"})
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
 
 
 class _Rank:

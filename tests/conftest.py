@@ -5,13 +5,11 @@ format torchvision reads.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -73,18 +71,19 @@ def edition(tmp_path_factory) -> Path:
 
 
 def grade(notebook: Path, *extra: str, env: dict | None = None, timeout: float = 300) -> dict:
-    """Grade ``notebook`` with the CLI in a fresh process; return the full JSON report."""
-    with tempfile.TemporaryDirectory(prefix="report-") as tmp:  # removed: a run grades hundreds
-        out = Path(tmp) / "report.json"
-        proc = subprocess.run([sys.executable, "-m", "autograder", "grade", str(notebook),
-                               "--report", str(out), *extra],
-                              capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-        if not out.exists():
-            return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
-                    "results": [], "score": 0}
-        report = json.loads(out.read_text())
-    report.update(returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr)
-    return report
+    """Grade ``notebook`` with the CLI in a fresh process, as folder grading and nbgrader do
+    (:func:`autograder.invoke.run_grader`: forked from a warm template after the first grading
+    with this environment, cold with ``AUTOGRADER_WARM=0``); return the full JSON report."""
+    from autograder.invoke import run_grader
+
+    run = run_grader(["grade", str(notebook), *extra], timeout=timeout, env=env, separate=True)
+    if run.timed_out:
+        raise subprocess.TimeoutExpired(["autograder", "grade", str(notebook)], timeout)
+    if run.report is None:
+        return {"returncode": run.returncode, "stdout": run.output, "stderr": run.error_output,
+                "results": [], "score": 0}
+    return {**run.report, "returncode": run.returncode, "stdout": run.output,
+            "stderr": run.error_output}
 
 
 def points_by_function(report: dict) -> dict[str, float]:

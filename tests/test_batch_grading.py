@@ -103,10 +103,10 @@ def test_a_pinned_grader_runs_on_its_cores_only():
     import subprocess
     import sys
 
-    from autograder.invoke import _PIN
+    from autograder.warm import PIN
 
     core = sorted(jobs.usable_cores())[-1]
-    out = subprocess.run([sys.executable, "-c", _PIN, str(core), "-c",
+    out = subprocess.run([sys.executable, "-c", PIN, str(core), "-c",
                           "import os; print(sorted(os.sched_getaffinity(0)))"],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == f"[{core}]"

@@ -82,7 +82,7 @@ def copy_params(params, device):
 
 
 def templates():
-    client = autograder.warm._CLIENT
+    client = autograder.warm.clients()[-1]
     tree = psutil.Process(client.proc.pid).children(recursive=True)
     zygote = [p.pid for p in tree if p.cmdline()[1:3] == ["-m", "autograder.sandbox.zygote"]]
     return client.proc.pid, zygote[0] if zygote else None
@@ -92,8 +92,14 @@ def sleepers():
     return [p.pid for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "4343"]]
 
 
-def cold(*args, **kwargs):
-    raise AssertionError("a later check ran the cold grader")
+class NoColdGrader:
+    """autograder.invoke's subprocess, with no Popen: a grading can only be forked."""
+
+    def __getattr__(self, name):
+        return getattr(subprocess, name)
+
+    def Popen(self, *args, **kwargs):
+        raise AssertionError("a later check ran the cold grader")
 
 
 def checked(label):
@@ -125,7 +131,7 @@ def kernel(tmp_path, offline_env, body: str, timeout: float = 300) -> tuple[list
 def test_later_checks_are_forked_and_nothing_of_one_reaches_the_next(tmp_path, offline_env):
     lines, output = kernel(tmp_path, offline_env, '''
         checked("first")                      # cold grader start; the templates start meanwhile
-        autograder.invoke.run_grader = cold   # from now on only the warm path may grade
+        autograder.invoke.subprocess = NoColdGrader()  # from now on only forked gradings
         for label in ("second", "third", "fourth"):
             checked(label)
     ''')

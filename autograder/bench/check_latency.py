@@ -6,8 +6,8 @@ assignment notebook does), the reference's set-up and answer cells of an assignm
 namespace named ``__main__`` and ``check(function)`` is called ``--repeats`` times in a row, as a
 student re-running a check cell does: for a one-process function of A1 (``copy_params``) and a
 multi-process one of A2 (``average_gradients``: gloo ranks). Then A1's reference is graded whole,
-``python -m autograder grade`` in a fresh process as nbgrader and ``grade-folder`` do, speed
-checks skipped. Beside them, ``python -c "import torch"`` in a fresh process (the median of
+``python -m autograder grade`` through :func:`autograder.invoke.run_grader` as nbgrader and
+``grade-folder`` do (forked from the same warm template), speed checks skipped. Beside them, ``python -c "import torch"`` in a fresh process (the median of
 ``--repeats``): the yardstick for a start-up.
 
 Needs ``solutions/`` (the answers it checks are the reference's, read from there, never kept in
@@ -102,7 +102,7 @@ def table(repeats: int) -> tuple[list[str], float]:
         lines.append(row(f"`check(\"{function}\")` ({assignment})", seconds, torch_s))
         print(lines[-1], flush=True)
     seconds = time_grading(CASES[0][0], CASES[0][1], repeats)
-    lines.append(row(f"whole grading of {CASES[0][0]} (fresh process, speed skipped)",
+    lines.append(row(f"whole grading of {CASES[0][0]} (`run_grader`, speed skipped)",
                      seconds, torch_s))
     lines.append(f"| `python -c \"import torch\"` | {torch_runs[0]:.2f} | {torch_s:.2f} | 1.00 |")
     return lines, torch_s

@@ -5,7 +5,9 @@ starts.
 For every assignment (or those named), in each of ``--repeats`` rounds, it grades the reference
 (``solutions/<a>/<notebook>``) and the released stub (``assignments/<a>/<notebook>``) the way a
 student's ``check()``, folder grading and nbgrader do: ``python -m autograder grade NOTEBOOK
---assignment A --speed S --report ...`` in a fresh process (:func:`autograder.invoke.run_grader`).
+--assignment A --speed S --report ...`` in a fresh process (:func:`autograder.invoke.run_grader`,
+cold: a new interpreter each time, whose descendants are every process the grading starts;
+``check-latency`` measures the warm path).
 Per assignment and notebook it reports
 
 - **seconds**: the grading process's wall time, from its start (interpreter and torch imports
@@ -50,7 +52,7 @@ def grade_once(notebook: Path, assignment: str, speed: str, timeout: float) -> d
 
     counter = ProcessCounter()
     run = run_grader(["grade", str(notebook), "--assignment", assignment, "--speed", speed],
-                     timeout=timeout, on_start=counter.start)
+                     timeout=timeout, on_start=counter.start, warm=False)
     processes = counter.stop()
     return {"seconds": run.seconds, "processes": processes, "poll_cpu_s": counter.cpu_seconds,
             "report": run.report, "returncode": run.returncode, "timed_out": run.timed_out,

@@ -127,8 +127,9 @@ class _Collector:
     """pytest plugin: provides the ``student`` fixture and records each check's outcome."""
 
     def __init__(self, student: Student, only: set[str] | None, measure_speed: bool = True,
-                 key_present: bool = True):
+                 key_present: bool = True, progress=None):
         self._student = student
+        self._progress = progress  # called with each result as it is recorded
         self.key_present = key_present
         self.only = only
         self.measure_speed = measure_speed
@@ -188,6 +189,8 @@ class _Collector:
         self.results.append(CheckResult(check.name, check.function, check.points, got, status,
                                         seconds, message,
                                         self._student.call_seconds.get(check.name, 0.0)))
+        if self._progress is not None:
+            self._progress(self.results[-1])
 
 
 def _message(excinfo) -> str:
@@ -202,10 +205,11 @@ def _message(excinfo) -> str:
 
 def run_checks(assignment: str, cells: list[tuple[str, str]], *, objects: bytes | None = None,
                only: str | None = None, problems: list[str] | None = None,
-               seed: int | None = None, measure_speed: bool = True) -> Report:
+               seed: int | None = None, measure_speed: bool = True, progress=None) -> Report:
     """Grade ``cells`` (and/or pickled ``objects``) with the checks of ``assignment``; ``only``
     names functions (``"f"`` or ``"f,g"``); ``seed`` repeats a run's inputs; without
-    ``measure_speed`` the speed checks SKIP unrun (timings on a shared machine mean nothing)."""
+    ``measure_speed`` the speed checks SKIP unrun (timings on a shared machine mean nothing);
+    ``progress(result)`` is called as each check ends (the report has them all)."""
     from ..registry import get
     from .spec import load_spec
 
@@ -223,7 +227,7 @@ def run_checks(assignment: str, cells: list[tuple[str, str]], *, objects: bytes 
     student = Student(sandbox, calibration)
     wanted = {f.strip() for f in only.split(",") if f.strip()} if only else None
     key_present = has_key(assignment)
-    collector = _Collector(student, wanted, measure_speed, key_present)
+    collector = _Collector(student, wanted, measure_speed, key_present, progress)
     args = [str(path), "-p", "no:cacheprovider", "-p", "no:terminal", "-p", "no:randomly",
             # only the plugin the checks use (their backstop timeouts); pytest's end-of-session
             # collections for unraisable exceptions (the checks run none of the submission's

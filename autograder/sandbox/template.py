@@ -26,8 +26,10 @@ import psutil
 
 from ..registry import REPO
 from .policy import bwrap_command
-from .zygote import CAPABILITIES
 
+#: bubblewrap's ``--cap-add`` for the template (its user namespace only): to make each worker's
+#: namespaces and mounts (:func:`.zygote._become_worker`), and to drop its bounding set.
+CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETPCAP")
 #: How long the template may take to fork a worker (it takes milliseconds).
 ANSWER_S = 5.0
 #: How long its start may take (an interpreter, torch and the worker's code).

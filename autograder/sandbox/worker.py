@@ -211,7 +211,9 @@ def main(req_fd: int, rep_fd: int) -> None:
         # the ranks' fork server imports torch while we import it and load the submission
         from course.launch import start_fork_server
 
-        start_fork_server()
+        # forked from the warm template, this process imported torch and ran nothing else:
+        # the fork server is then this process forked, ready at once
+        start_fork_server(forked="torch" in sys.modules)
     receive, send = _frame_io(req_fd, rep_fd)
     _leave_with_the_grader(req_fd)
     import torch

@@ -45,8 +45,6 @@ import sys
 _PR_SET_DUMPABLE = 4
 _CLONE_NEWNS, _CLONE_NEWIPC, _CLONE_NEWNET = 0x00020000, 0x08000000, 0x40000000
 _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 4096, 1 << 14, 1 << 18
-#: bubblewrap's ``--cap-add`` for the template (its user namespace only).
-CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETPCAP")
 #: What the template imports once; a forked worker has it all.
 PRELOAD = ("torch", "numpy", "cloudpickle", "pyseccomp", "autograder.sandbox.worker",
            "autograder.sandbox.as_loaded", "autograder.sandbox.confine",
@@ -168,8 +166,8 @@ def _become_worker(request: dict, req_fd: int, rep_fd: int, out_fd: int, control
     os.closerange(3, keep[0])
     os.closerange(keep[0] + 1, keep[1])
     os.closerange(keep[1] + 1, 1 << 16)
-    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
-    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    # sys.stdout and sys.stderr are the template's, on descriptors 1 and 2 (now the output
+    # file), empty and buffered as a cold worker's are (stdout by blocks, stderr by lines)
     os.chdir(work)
     os.environ.clear()
     os.environ.update(request["env"])
