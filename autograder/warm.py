@@ -51,8 +51,8 @@ PIN = ("import os, sys; os.sched_setaffinity(0, [int(c) for c in sys.argv[1].spl
 
 #: Variables that differ from one grading to the next and that nothing reads at import time:
 #: a template serves gradings that differ only in these (each grading gets its own values).
-VOLATILE = frozenset({"AUTOGRADER_RUN_TAG", "PYTEST_CURRENT_TEST", "_", "PWD", "OLDPWD",
-                      "SHLVL", "COLUMNS", "LINES"})
+VOLATILE = frozenset({"AUTOGRADER_RUN_TAG", "PYTEST_CURRENT_TEST", "TMPDIR", "_", "PWD",
+                      "OLDPWD", "SHLVL", "COLUMNS", "LINES"})
 #: How many grader templates a process keeps (one per environment and set of cores; folder
 #: grading's jobs each have theirs). The least recently used goes first.
 MAX_TEMPLATES = int(os.environ.get("AUTOGRADER_WARM_TEMPLATES", "2"))
@@ -104,7 +104,8 @@ class _Client:
                 returncode, timed_out = _wait(conn, start + max(timeout, 1), tick), False
                 if returncode is None:
                     _kill_grading(pid)
-                    timed_out = True
+                    timed_out = True  # the template answers once it reaped it and killed
+                    _wait(conn, time.monotonic() + 10, None)  # what its worker left
             texts = [p.read_text(errors="replace") for p in paths]
             try:
                 report = json.loads(report_path.read_text())

@@ -33,7 +33,7 @@ def serve(folder: Path) -> None:
     from .sandbox.isolation import isolation_mode, sandbox_user
 
     warm_sandbox = isolation_mode() == "bwrap" and sandbox_user() is None
-    tpl = template.Template() if warm_sandbox else None  # first: its imports overlap ours
+    tpl = template.Template(folder) if warm_sandbox else None  # first: its imports overlap ours
     for name in PRELOAD:
         importlib.import_module(name)
     _use(tpl)
@@ -63,7 +63,7 @@ def serve(folder: Path) -> None:
             if warm_sandbox and (template.CURRENT is None or not template.CURRENT.alive()):
                 if template.CURRENT is not None:  # killed or stopped by a grading: replaced
                     template.CURRENT.close()
-                _use(template.Template())
+                _use(template.Template(folder))
             pid = os.fork()
             if pid == 0:
                 signal.set_wakeup_fd(-1)
@@ -123,6 +123,9 @@ def _grade(request: dict, out_fd: int, err_fd: int, conn: socket.socket) -> None
         os.close(err_fd)
         os.environ.clear()
         os.environ.update(request["env"])
+        import tempfile
+
+        tempfile.tempdir = None  # this grading's TMPDIR, not the one the template started with
         os.chdir(request["cwd"])
         from .cli import main
 
@@ -132,9 +135,14 @@ def _grade(request: dict, out_fd: int, err_fd: int, conn: socket.socket) -> None
     except BaseException as exc:  # noqa: BLE001 - said in the output the kernel reads
         print(f"autograder.warm: {type(exc).__name__}: {exc}", file=sys.stderr)
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        try:  # what a process's normal exit runs: multiprocessing's clean-up of its fork
+            import atexit  # server and temporary folder, logging's flush
+
+            atexit._run_exitfuncs()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
 
 if __name__ == "__main__":

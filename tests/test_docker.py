@@ -274,8 +274,27 @@ def test_batch_timeout_kills_the_whole_grading_tree(offline_env, tmp_path, monke
     g = grade_one(slow, tmp_path / "work", timeout=8, student="slow")
     assert g.status == TIMEOUT and g.score == 0 and "longer than 8 s" in g.message
     assert g.results["score"] == 0 and "Not graded" in g.results["output"]
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before | warm_templates()]
     assert not left, f"processes left behind: {left}"
+
+
+def warm_templates() -> set[int]:
+    """This process's warm templates (autograder/warm.py), which outlive a grading by design:
+    each grader template, its bubblewrap and the sandbox template in it; not a forked grading
+    or worker."""
+    from autograder import warm
+
+    found = set()
+    for client in warm.clients():
+        try:
+            tree = [psutil.Process(client.proc.pid),
+                    *psutil.Process(client.proc.pid).children(recursive=True)]
+        except psutil.Error:
+            continue
+        found |= {p.pid for p in tree if p.pid == client.proc.pid or p.name() == "bwrap"
+                  or p.cmdline()[1:3] == ["-m", "autograder.sandbox.zygote"]}
+    return found
 
 
 # ---------------------------------------------------------------- healthcheck

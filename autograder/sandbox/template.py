@@ -44,8 +44,10 @@ class TemplateUnavailable(Exception):
 class Template:
     """The sandbox's template process, started in bubblewrap by :meth:`start`."""
 
-    def __init__(self) -> None:
-        self.scratch = Path(tempfile.mkdtemp(prefix="sandbox-template-"))
+    def __init__(self, base: Path | None = None) -> None:
+        """``base``: the folder for its scratch and log (default: the temporary folder); the
+        warm grader gives its own, so that a grading's ``TMPDIR`` holds nothing of it."""
+        self.scratch = Path(tempfile.mkdtemp(prefix="sandbox-template-", dir=base))
         os.chmod(self.scratch, 0o711)  # graded code may enter its own folder, not list others
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.control = ours
@@ -58,7 +60,7 @@ class Template:
         caps = [arg for cap in CAPABILITIES for arg in ("--cap-add", cap)]
         cmd = [*cmd[:cmd.index("--cap-drop") + 2], *caps, *cmd[cmd.index("--cap-drop") + 2:]]
         cmd += [sys.executable, "-m", "autograder.sandbox.zygote", str(theirs.fileno())]
-        self.log = Path(tempfile.mkdtemp(prefix="sandbox-template-log-")) / "output.txt"
+        self.log = Path(tempfile.mkdtemp(prefix="sandbox-template-log-", dir=base)) / "output.txt"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=log, pass_fds=(theirs.fileno(),),

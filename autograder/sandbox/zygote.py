@@ -44,7 +44,8 @@ import sys
 
 _PR_SET_DUMPABLE = 4
 _CLONE_NEWNS, _CLONE_NEWIPC, _CLONE_NEWNET = 0x00020000, 0x08000000, 0x40000000
-_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 4096, 1 << 14, 1 << 18
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 32, 4096
+_MS_REC, _MS_PRIVATE = 1 << 14, 1 << 18
 #: What the template imports once; a forked worker has it all.
 PRELOAD = ("torch", "numpy", "cloudpickle", "pyseccomp", "autograder.sandbox.worker",
            "autograder.sandbox.as_loaded", "autograder.sandbox.confine",
@@ -136,6 +137,32 @@ def _reap(status_fds: dict[int, int]) -> None:
             os.close(fd)
 
 
+def _fresh_tmpfs(libc, target: str, size: int) -> None:
+    """An empty tmpfs on ``target`` for this worker alone, with every mount below it (the
+    repository's and Python's read-only binds, the template's scratch folder: bubblewrap puts
+    them inside its own ``/tmp`` where they lie there) bound back in place, read-only where they
+    were."""
+    from autograder.sandbox.worker import _mounts
+
+    below = sorted(((m, opts) for m, opts in _mounts() if m.startswith(target + "/")),
+                   key=lambda m: m[0].count("/"))
+    kept = [(m, opts, os.open(m, os.O_PATH)) for m, opts in below]
+    if libc.mount(b"tmpfs", target.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+                  f"size={size},mode=1777".encode()) != 0:
+        raise OSError(ctypes.get_errno(), f"a fresh {target} could not be mounted")
+    for mount, options, fd in kept:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(mount, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(mount), exist_ok=True)
+            open(mount, "a").close()
+        if libc.mount(f"/proc/self/fd/{fd}".encode(), mount.encode(), None, _MS_BIND, None) != 0:
+            raise OSError(ctypes.get_errno(), f"{mount} could not be bound back")
+        if "ro" in options:
+            libc.mount(None, mount.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
+        os.close(fd)
+
+
 def _become_worker(request: dict, req_fd: int, rep_fd: int, out_fd: int, control) -> None:
     """In the forked child: fresh namespaces and file systems, then the worker's main."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -146,16 +173,8 @@ def _become_worker(request: dict, req_fd: int, rep_fd: int, out_fd: int, control
     libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None)
     size = int(request.get("tmpfs_bytes", 512 << 20))
     work = request["work"]
-    kept = os.open(work, os.O_PATH | os.O_DIRECTORY)  # the work folder may lie under /tmp
-    for target in (b"/tmp", b"/dev/shm"):
-        if libc.mount(b"tmpfs", target, b"tmpfs", _MS_NOSUID | _MS_NODEV,
-                      f"size={size},mode=1777".encode()) != 0:
-            raise OSError(ctypes.get_errno(), f"a fresh {target.decode()} could not be mounted")
-    if not os.path.isdir(work):  # covered by the fresh /tmp: bound back at its place
-        os.makedirs(work, mode=0o700)
-        if libc.mount(f"/proc/self/fd/{kept}".encode(), work.encode(), None, _MS_BIND, None) != 0:
-            raise OSError(ctypes.get_errno(), "the work folder could not be bound back")
-    os.close(kept)
+    for target in ("/tmp", "/dev/shm"):
+        _fresh_tmpfs(libc, target, size)
     from autograder.sandbox.worker import loopback_up
 
     loopback_up()
@@ -180,6 +199,7 @@ def _become_worker(request: dict, req_fd: int, rep_fd: int, out_fd: int, control
         os._exit(0)
     from autograder.sandbox import worker
 
+    sys.argv = [worker.__file__, str(req_fd), str(rep_fd)]  # as a cold worker's command line
     worker.main(req_fd, rep_fd)
 
 
