@@ -273,8 +273,8 @@ def processes_tagged(tag: str) -> list[int]:
 # ---------------------------------------------------------------- many seeds, busy machine
 
 def pytest_addoption(parser):
-    parser.addoption("--seeds", type=int, default=2,
-                     help="seeds per assignment in test_reference_seeds.py (default 2, new "
+    parser.addoption("--seeds", type=int, default=3,
+                     help="seeds per assignment in test_reference_seeds.py (default 3, new "
                           "ones every run; --seeds 50 for a long run)")
 
 

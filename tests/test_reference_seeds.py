@@ -13,7 +13,7 @@ SKIP (the reference cannot show a speedup either). They are graded in full, on a
 by each assignment's full-marks test; their fairness under noise comes from paired rounds and a
 sign test (autograder/checking/speed.py), tested there.
 
-Tier: full: 2 seeds of every reference on busy cores (the suite's largest part).
+Tier: full: 3 seeds of every reference on busy cores (the suite's largest part).
 """
 from __future__ import annotations
 
