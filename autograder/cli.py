@@ -109,13 +109,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _progress_writer(path: str | None):
-    """``--progress PATH``: each result as a JSON line, flushed as it ends."""
-    if not path:
-        return None
+    """``--progress PATH``: each result as a JSON line, flushed as it ends. In a terminal (and
+    without it), each check's line as it ends, before the table."""
     import json
     from dataclasses import asdict
 
+    from .results import result_lines
+
+    terminal = not path and sys.stdout.isatty()
+    if not path and not terminal:
+        return None
+
     def write(result) -> None:
+        if terminal:
+            print(result_lines(asdict(result))[0], flush=True)
+            return
         with open(path, "a") as f:
             f.write(json.dumps(asdict(result)) + "\n")
 
