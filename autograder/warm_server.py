@@ -30,7 +30,7 @@ def serve(folder: Path) -> None:
 
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # dies with its starter
     from .sandbox import template
-    from .sandbox.isolation import isolation_mode, sandbox_user
+    from .sandbox.isolation import ended_children, isolation_mode, sandbox_user
 
     warm_sandbox = isolation_mode() == "bwrap" and sandbox_user() is None
     tpl = template.Template(folder) if warm_sandbox else None  # first: its imports overlap ours
@@ -77,23 +77,18 @@ def serve(folder: Path) -> None:
                 os.close(fd)
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
             waiting[pid] = conn
-        while waiting:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        for pid, status in ended_children():  # gradings, and a sandbox template that died
             conn = waiting.pop(pid, None)
+            if conn is None:
+                continue
             if template.CURRENT is not None:  # whatever the grading's worker left behind
                 template.CURRENT.kill_workers()
-            if conn is not None:
-                try:
-                    conn.sendall(json.dumps(
-                        {"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-                except OSError:
-                    pass
-                conn.close()
+            try:
+                conn.sendall(json.dumps(
+                    {"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            except OSError:
+                pass
+            conn.close()
 
 
 def _use(tpl) -> None:

@@ -266,13 +266,20 @@ def kill_tree(root_pid: int | None, spare: set[int]) -> None:
             except psutil.Error:
                 pass
         psutil.wait_procs(victims, timeout=1)
-    # reap zombies that were re-parented to us
+    for _ in ended_children():  # reap zombies that were re-parented to us
+        pass
+
+
+def ended_children():
+    """``(pid, wait status)`` of each child of this process that has ended, reaping them, until
+    no ended one is left."""
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            break
+            return
         if pid == 0:
-            break
+            return
+        yield pid, status
 
 

@@ -121,13 +121,9 @@ def wake_on_child_exit() -> int:
 def _reap(status_fds: dict[int, int]) -> None:
     """Reap every child that ended: the workers (their status to the grader) and, the template
     being the sandbox's PID 1, whatever a worker left behind and was re-parented here."""
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    from autograder.sandbox.isolation import ended_children
+
+    for pid, status in ended_children():
         fd = status_fds.pop(pid, None)
         if fd is not None:
             try:
