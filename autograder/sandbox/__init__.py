@@ -46,8 +46,7 @@ from . import cgroup as cgroups
 from . import framing, template
 from .framing import WARM_RANKS_ENV, decode_reply, read_frame, write_frame
 from .isolation import (UNSHARE, become_subreaper, check_confinement, isolation_mode, kill_tree,
-                        note_cgroup, note_cold_start, sandbox_user)
-from .isolation import FORKED
+                        FORKED, note_cgroup, note_cold_start, sandbox_user)
 from .policy import NEVER as HIDDEN  # parts of the repository graded code never sees
 from .policy import TMPFS_BYTES
 
@@ -151,6 +150,9 @@ class Sandbox:
             env[PRELOAD_ENV] = ",".join(self.rank_modules)
         cmd = [sys.executable, "-m", "autograder.sandbox.worker", str(req_r), str(rep_w)]
         mode = isolation_mode()
+        # the kernel's limits sit above the watchdog's (which names what was exceeded): they
+        # stop what polling cannot see or catch in time (shared memory, a fast fork bomb)
+        # tasks: the kernel counts threads too (a gloo rank of torch runs a dozen or more)
         self._cgroup = cgroups.make(self.limits.max_memory_bytes * 5 // 4 + (256 << 20),
                                     self.limits.max_processes * 64)
         note_cgroup(self._cgroup is not None)
@@ -200,7 +202,7 @@ class Sandbox:
         os.close(rep_w)
         if self._cgroup is not None:
             self._cgroup.add(self._proc.pid)
-        write_frame_byte(self._req_w)
+        _go_ahead(self._req_w)
         self._send_load()
 
     def _send_load(self) -> None:
@@ -344,7 +346,7 @@ class Sandbox:
                                 f"{self.limits.max_memory_bytes / 2**30:.1f} GiB of memory")
 
 
-def write_frame_byte(fd: int) -> None:
+def _go_ahead(fd: int) -> None:
     """The go-ahead a forked worker waits for (it is in its cgroup now)."""
     os.write(fd, b"g")
 

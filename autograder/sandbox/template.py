@@ -108,11 +108,9 @@ class Template:
         except psutil.Error:
             return False
 
-    def new_work_folder(self, uid: int | None = None) -> Path:
+    def new_work_folder(self) -> Path:
         work = self.scratch / secrets.token_hex(8)
         work.mkdir(mode=0o700)
-        if uid is not None:
-            os.chown(work, uid, uid)
         return work
 
     def spawn(self, work: Path, env: dict, out_fd: int, req_r: int, rep_w: int,
