@@ -8,7 +8,9 @@ process) and ``train_3d``: one run on 8 processes trains every mesh of :data:`.r
 cases with the instructor's answer key (:func:`autograder.keys.answer_key`), loaded only here,
 in the grader's process. Communication is counted by the ranks' harness, per group. Each check
 judges only what it is named for: the ValueError checks the errors (whatever the values),
-train_3d's the states, the losses and the groups, each on its own. Points: spec.py.
+train_3d's the states, the losses and the groups, each on its own. The cost model's replies are
+judged in :mod:`.judging` (a step_time failure names every key that differs and where the
+difference starts; a hidden check's shows no expected value). Points: spec.py.
 """
 from __future__ import annotations
 
@@ -22,19 +24,12 @@ from autograder.keys import answer_key
 
 from . import expected as E
 from . import ranks as R
+from .judging import NOT_SHOWN, dict_of, judge_memory, judge_time, result_of, show_inputs
 from .probes import probe_best, probe_cost, probe_train
 from .spec import SPEC
 
 graded = SPEC.graded
 EPS = torch.finfo(torch.float64).eps
-#: step_time's tolerance, relative to the exact value (fractions of the float inputs). Why:
-#: every term is a product and quotient of exact integers and the float inputs, at most ~10
-#: roundings of 2**-53 each in any order, and the terms are positive (a sum without
-#: cancellation), so correct float code lands within ~2e-15 of the exact value; 1e-12 leaves a
-#: factor of ~500 for that, and no mistake in a formula's counts or factors comes that close. A
-#: key that is exactly 0 (no bubble with pp = 1, no tp traffic with tp = 1) is 0 in floats too;
-#: 1e-15 of the total is allowed there, to be safe.
-TIME_RTOL = 1e-12
 
 
 def _key():
@@ -54,27 +49,6 @@ def _shared_cases(student, key, make, probe, args):
     return student.shared(key, run)
 
 
-def _show(model, par, hw=None) -> str:
-    return f"model_cfg={model}, par_cfg={par}" + (f", hw_cfg={hw}" if hw else "")
-
-
-def _result(reply, what, inputs) -> dict:
-    """The result's description, or a failure that says what it raised (inputs last)."""
-    assert isinstance(reply, dict), "the reply was tampered with"
-    if "error" in reply:
-        raise AssertionError(f"{what} raised {reply['error']} (for {inputs})")
-    return reply["result"]
-
-
-def _keys(desc, what, keys, inputs) -> dict:
-    assert desc.get("t") == "dict", \
-        f"{what} should return a dict; got {desc.get('t')} (for {inputs})"
-    got = desc["v"]
-    assert list(desc.get("keys", [])) == ["str"] * len(got) and set(got) == set(keys), (
-        f"{what} returned a dict with the keys {sorted(got)}; expected exactly {list(keys)}")
-    return got
-
-
 def _public(name) -> list[tuple]:
     """``[(inputs by parameter, expected)]`` of ``name``'s public fixed cases (the JSON's)."""
     params = SPEC.function(name).params
@@ -83,24 +57,6 @@ def _public(name) -> list[tuple]:
 
 
 # ---------------------------------------------------------------------------- per_rank_memory
-
-def _judge_memory(results, cases, wants, where):
-    """Each of ``results`` against ``wants``, exactly (``where``: which cases, for messages)."""
-    assert len(results) == len(cases) == len(wants), "the reply was tampered with"
-    for (model, par), reply, want in zip(cases, results, wants):
-        inputs = _show(model, par)
-        got = _keys(_result(reply, "per_rank_memory", inputs), "per_rank_memory", E.MEMORY_KEYS,
-                    inputs)
-        for key in E.MEMORY_KEYS:
-            items = got[key]
-            assert items.get("t") in ("list", "tuple") and len(items["v"]) == par["pp"], (
-                f"per_rank_memory(...)['{key}'] should be a list of pp = {par['pp']} ints (one "
-                f"per stage), for {inputs}")
-            values = [v.get("v") if v.get("t") == "int" else v.get("t") for v in items["v"]]
-            assert values == want[key], (
-                f"per_rank_memory(...)['{key}'] is {values}; expected {want[key]} (bytes per "
-                f"rank of each stage, exact ints) for {inputs} ({where})")
-
 
 def _public_memory(student):
     """``(cases, wants, results, errors)``: the public fixed cases (run first), what came back,
@@ -114,7 +70,7 @@ def _public_memory(student):
 @graded
 def test_per_rank_memory_exact_bytes_on_public_cases(student):
     cases, wants, results, _ = _public_memory(student)
-    _judge_memory(results, cases, wants, "a public case: public_cases.json")
+    judge_memory(results, cases, wants, "a public case: public_cases.json")
 
 
 @graded
@@ -123,8 +79,8 @@ def test_per_rank_memory_exact_bytes_on_hidden_and_random_cases(student):
     seed, cases, (results, _) = _shared_cases(
         student, "memory_hidden", key.memory_cases, probe_cost,
         lambda cases: ("per_rank_memory", cases, []))
-    _judge_memory(results, cases, [key.per_rank_memory(m, p) for m, p in cases],
-                  f"a hidden or random case, seed {seed}")
+    judge_memory(results, cases, [key.per_rank_memory(m, p) for m, p in cases],
+                 f"a hidden or random case, seed {seed}", hidden=True)
 
 
 def _judge_errors(name, public, hw=None):
@@ -136,11 +92,11 @@ def _judge_errors(name, public, hw=None):
     for (model, par, rule), error in zip(E.BAD_CASES, errors):
         assert error == "ValueError", (
             f"{name} with {rule} should raise ValueError; got {error} (for "
-            f"{_show(model, par, hw)})")
+            f"{show_inputs(model, par, hw)})")
     for case, reply in zip(cases, results):
         assert not reply.get("error", "").startswith("ValueError"), (
             f"{name} raised {reply['error']}, but this configuration breaks no rule (for "
-            f"{_show(*case)})")
+            f"{show_inputs(*case)})")
 
 
 @graded
@@ -149,23 +105,6 @@ def test_per_rank_memory_value_errors(student):
 
 
 # ---------------------------------------------------------------------------- step_time
-
-def _judge_time(results, cases, wants, where):
-    """Each of ``results`` against ``wants`` (floats or exact Fractions), within TIME_RTOL."""
-    assert len(results) == len(cases) == len(wants), "the reply was tampered with"
-    for (model, par, hw), reply, want in zip(cases, results, wants):
-        inputs = _show(model, par, hw)
-        got = _keys(_result(reply, "step_time", inputs), "step_time", E.TIME_KEYS, inputs)
-        total = float(want["total"])
-        for key in E.TIME_KEYS:
-            v, w = got[key].get("v"), float(want[key])
-            assert got[key].get("t") in ("float", "int"), (
-                f"step_time(...)['{key}'] should be a float (seconds); got {got[key].get('t')}"
-                f" (for {inputs})")
-            assert math.isfinite(v) and abs(v - w) <= TIME_RTOL * (abs(w) + 1e-3 * total), (
-                f"step_time(...)['{key}'] is {v!r}; expected {w!r} (seconds) for {inputs} "
-                f"({where})")
-
 
 def _public_time(student):
     """``(cases, wants, results, errors)``, as :func:`_public_memory`'s."""
@@ -178,7 +117,7 @@ def _public_time(student):
 @graded
 def test_step_time_matches_the_cost_model_on_public_cases(student):
     cases, wants, results, _ = _public_time(student)
-    _judge_time(results, cases, wants, "a public case: public_cases.json")
+    judge_time(results, cases, wants, "a public case: public_cases.json")
 
 
 @graded
@@ -187,8 +126,8 @@ def test_step_time_matches_the_cost_model_on_hidden_and_random_cases(student):
     seed, cases, (results, _) = _shared_cases(
         student, "time_hidden", key.time_cases, probe_cost,
         lambda cases: ("step_time", cases, []))
-    _judge_time(results, cases, [key.step_time(*case) for case in cases],
-                f"a hidden or random case, seed {seed}")
+    judge_time(results, cases, [key.step_time(*case) for case in cases],
+               f"a hidden or random case, seed {seed}", hidden=True)
 
 
 @graded
@@ -198,10 +137,10 @@ def test_step_time_value_errors(student):
 
 # ---------------------------------------------------------------------------- best_config
 
-def _judge_best(student, cases, wants):
+def _judge_best(student, cases, wants, hidden=False):
     """``best_config`` on ``cases`` (``(what, model, hw, world size)``) against ``wants`` (the
     configuration, or None where nothing fits); it runs with the student's own per_rank_memory
-    and step_time."""
+    and step_time (``hidden``: the expected configurations are not shown)."""
     results = student.call(probe_best, [(model, hw, world) for _, model, hw, world in cases])
     assert isinstance(results, list) and len(results) == len(cases), "the reply was tampered with"
     for (label, model, hw, world), reply, want in zip(cases, results, wants):
@@ -212,13 +151,14 @@ def _judge_best(student, cases, wants):
                 f"{what}: no configuration fits, so it should raise ValueError; got "
                 f"{reply.get('error') or 'a result'} (for {inputs})")
             continue
-        got = _keys(_result(reply, what, inputs), what, E.PAR_KEYS, inputs)
+        got = dict_of(result_of(reply, what, inputs), what, E.PAR_KEYS, inputs)
         types = {k: ("bool" if k == "checkpoint" else "str" if k == "schedule" else "int")
                  for k in E.PAR_KEYS}
         values = {k: got[k].get("v") if got[k].get("t") == types[k] else got[k].get("t")
                   for k in E.PAR_KEYS}
+        expected = NOT_SHOWN if hidden else f"expected {want}"
         assert values == want, (
-            f"{what} is {values}; expected {want} (the fastest that fits; equal times to the "
+            f"{what} is {values}; {expected} (the fastest that fits; equal times to the "
             "smallest max memory, then pp, tp, micro_batches, zero, checkpoint, schedule) "
             f"(for {inputs}; best_config runs with your own per_rank_memory and step_time: "
             "where their checks fail, fix those first)")
@@ -236,7 +176,7 @@ def test_best_config_hidden_cases(student):
     key = _key()
     cases = key.hidden_best_cases()
     _judge_best(student, cases, [key.best_config(model, hw, world)
-                                 for _, model, hw, world in cases])
+                                 for _, model, hw, world in cases], hidden=True)
 
 
 # ---------------------------------------------------------------------------- train_3d
