@@ -13,7 +13,8 @@ below pp micro-batches, train_3d's loss not averaged over dp): each loses exactl
 that judge what it breaks (a ValueError check keeps its point when only the values are wrong).
 best_config runs with the submission's own per_rank_memory and step_time (as in the student's
 self-check), so its own bugs' messages are checked beside a correct cost model, ``--only
-best_config``, one grading each.
+best_config``, one grading each; so is step_time with issue #42's bandwidth rule, lesson 16's old
+sentence (``tp <= node_size`` puts the tp groups inside a node), ``--only step_time``.
 train_3d's other bugs (the gradients averaged over the world, losses returned on every stage,
 micro-batch losses not scaled) are one grading each, ``--only train_3d`` (about 5 s each: the 8
 processes start from the fork server in milliseconds). A pipeline that deadlocks (a gradient
@@ -28,6 +29,7 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+import re
 import time
 import uuid
 from fractions import Fraction
@@ -236,6 +238,46 @@ def test_best_config_bugs_beside_a_correct_cost_model(bug, offline_env, tmp_path
     assert_only_these_checks_fail(report, {"best_config_public_cases", "best_config_hidden_cases"})
     for r in report["results"]:
         assert text in r["message"], r
+
+
+#: Issue #42: lesson 16 said "with 8 GPUs per node and tp <= 8 [a tp group] lies inside one node";
+#: a step_time that follows it (the dp and pp groups judged right) takes tp = 3 on nodes of 8 for
+#: intra_bw, where the tp group of ranks 6, 7, 8 spans two nodes
+OLD_TP_RULE = {"step_time": ('''\
+    node = hw_cfg["node_size"]
+''', '''\
+    node = hw_cfg["node_size"]
+    if mode == "tp":
+        return hw_cfg["intra_bw"] if tp <= node else hw_cfg["inter_bw"]
+''')}
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_step_time_with_lesson_16s_old_tp_rule_loses_its_value_checks(offline_env, tmp_path):
+    """The old rule loses step_time's public and hidden value checks (a public case and hidden
+    ones have tp = 3 or 6 on nodes of 8), keeps its ValueError point, and each failure names
+    ['tp'] as where the difference starts, not the bubble (the first key of the dict that
+    differs); the public one also says which bandwidth its value points to, the hidden one shows
+    no expected value."""
+    report = grade(write(tmp_path, "old_tp_rule", OLD_TP_RULE), "--only", "step_time",
+                   env=offline_env)
+    print(report["stdout"])
+    fails = {"step_time_matches_the_cost_model_on_public_cases",
+             "step_time_matches_the_cost_model_on_hidden_and_random_cases"}
+    assert_only_these_checks_fail(report, fails)
+    messages = {r["name"]: r["message"] for r in report["results"]}
+    for name in fails:
+        assert "Where it starts: ['tp'] (m * t_tp: the number of all-reduces, their bytes, or " \
+               "bw_tp); ['bubble'] and ['total'] include it" in messages[name], messages[name]
+    public = messages["step_time_matches_the_cost_model_on_public_cases"]
+    assert "'node_size': 8" in public and "; expected " in public, public
+    assert "['tp'] is the expected value times inter_bw / intra_bw: it took intra_bw where the " \
+           "rule gives inter_bw (bw_tp is intra_bw only if every tp group has all of its ranks " \
+           "on one node" in public, public
+    hidden = messages["step_time_matches_the_cost_model_on_hidden_and_random_cases"]
+    assert "expected" not in hidden.replace("the expected values of hidden cases are not shown",
+                                            ""), hidden
 
 
 @pytest.mark.full
@@ -449,3 +491,69 @@ def test_collectives_may_go_on_the_pp_group_but_not_the_world():
     assert a8_ranks.violations(dims, r, [call((0, 4)), call((0, 1)), call((0, 2))]) == []
     assert a8_ranks.violations(dims, r, [call(tuple(range(8)))])
     assert a8_ranks.violations(dims, r, [call((0, 3))])
+
+
+def _old_tp_rule(right):
+    """Lesson 16's old sentence as a bandwidth rule (issue #42): a tp group of at most
+    node_size ranks is inside a node; dp and pp by ``right``, the key's own rule."""
+    def bandwidth(hw, par, mode):
+        if mode == "tp":
+            return Fraction(hw["intra_bw"] if par["tp"] <= hw["node_size"] else hw["inter_bw"])
+        return right(hw, par, mode)
+    return bandwidth
+
+
+def _examples(source: str) -> tuple[list[dict], list[dict]]:
+    """The inputs a text cell states (``model_cfg = dict(...)`` and the like, in order) and the
+    values it prints (its code blocks)."""
+    flat = re.sub(r"\s+", " ", source)
+    inputs = [eval(expr, {"__builtins__": {}, "dict": dict})  # noqa: S307 (our own text)
+              for expr in re.findall(r"(?:model|par|hw)_cfg = (dict\([^)]*\))", flat)]
+    values = [ast.literal_eval(block) for block in re.findall(r"```\n(\{.*?\})\n```", source,
+                                                              flags=re.S)]
+    return inputs, values
+
+
+def test_the_texts_examples_are_the_keys_and_the_second_tells_the_rules_apart(monkeypatch):
+    """Issue #42: the values the released text prints for the examples of Parts 1 and 2 are the
+    answer key's for the inputs it states (Part 2's first: Part 1's configuration on nodes of 4;
+    its second: tp = 3 on 12 ranks on nodes of 8). Under lesson 16's old tp rule the first has the
+    same values and the second does not, by exactly what the text says ('tp' and 'bubble')."""
+    import nbformat
+
+    cells = {c.get("id"): c.source for c in nbformat.read(RELEASE, as_version=4).cells}
+    (model, cfg), (memory,) = _examples(cells["a8-03"])
+    (hw, *straddle), times = _examples(cells["a8-06"])
+    cases = [(model, cfg, hw), tuple(straddle)]
+    assert [model, cfg, hw] == [E.TINY, E.par(2, 2, 2, 2, 1), dict(
+        flops=1e9, memory=10**6, node_size=4, intra_bw=1e9, inter_bw=1e8)]
+    assert straddle[1]["tp"] == 3 and straddle[2]["node_size"] == 8 and len(times) == 2
+    K = key()
+    assert memory == K.per_rank_memory(model, cfg)
+    right = [{k: float(v) for k, v in K.step_time(*case).items()} for case in cases]
+    assert times == right
+    monkeypatch.setattr(K, "_bandwidth", _old_tp_rule(K._bandwidth))
+    old = [{k: float(v) for k, v in K.step_time(*case).items()} for case in cases]
+    assert old[0] == right[0]
+    assert {k for k in right[1] if old[1][k] != right[1][k]} == {"tp", "bubble", "total"}
+    said = re.sub(r"\s+", " ", cells["a8-06"])
+    assert f"`'tp'` would be {old[1]['tp']!r} and `'bubble'` {old[1]['bubble']!r}" in said
+
+
+def test_lesson_16s_old_tp_rule_changes_a_public_case_and_hidden_ones(monkeypatch):
+    """Issue #42: the planted bug OLD_TP_RULE can fail both of step_time's value checks: its rule
+    changes step_time on a public case (tp = 3 on nodes of 8) and on hidden fixed cases (tp = 3
+    and 6 on nodes of 8), and on no best_config case, so only those two checks judge it."""
+    K = key()
+    public = [(c["model_cfg"], c["par_cfg"], c["hw_cfg"]) for c in E.public_cases()["step_time"]]
+    best = K.PUBLIC_BEST_CASES + K.hidden_best_cases()
+    before = {"public": [K.step_time(*case) for case in public],
+              "hidden": [K.step_time(*case) for case in K.HIDDEN_COST_CASES],
+              "best": [K.best_config(m, hw, w) for _, m, hw, w in best]}
+    monkeypatch.setattr(K, "_bandwidth", _old_tp_rule(K._bandwidth))
+    public_tp = [case[1]["tp"] for case, t in zip(public, before["public"])
+                 if K.step_time(*case) != t]
+    hidden_tp = [case[1]["tp"] for case, t in zip(K.HIDDEN_COST_CASES, before["hidden"])
+                 if K.step_time(*case) != t]
+    assert public_tp == [3] and sorted(hidden_tp) == [3, 6], (public_tp, hidden_tp)
+    assert [K.best_config(m, hw, w) for _, m, hw, w in best] == before["best"]
