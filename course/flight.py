@@ -4,17 +4,26 @@ When a job hangs, each rank is stuck in some collective, or in none; the questio
 the ranks stopped agreeing on. ``with record_trace() as trace: ...`` fills ``trace`` (a plain
 list) with one dict per collective or point-to-point call issued on the watched groups::
 
-    {"seq": 0, "group": "0,1", "op": "ALLREDUCE", "shapes": [[3]], "dtype": "float32",
-     "peer": None, "state": "completed"}
+    {"seq": 0, "group": "1", "members": [0, 1], "op": "ALLREDUCE", "shapes": [[3]],
+     "dtype": "float32", "peer": None, "state": "completed"}
 
 ``seq`` counts each group's calls from 0 as this rank issued them; ``group`` is the group's
-global ranks, sorted and comma-joined (two watched groups of the same ranks share the label and
-one count, so that ``(group, seq)`` names one call); ``op`` is :mod:`course.collectives`' name; ``shapes`` the
+name, torch's ``group_name`` (the default group's is "0"; ``new_group``, ``new_subgroups`` and
+``init_device_mesh`` name each group they make the same on every member, and two groups never
+share a name, even two of the same ranks, so that ``(group, seq)`` names one call); ``members``
+the group's global ranks, sorted; ``op`` is :mod:`course.collectives`' name; ``shapes`` the
 shapes of the call's input tensors (a RECV has none: the shape of the tensor it fills); ``dtype``
 the first of those tensors' dtype ("" for a BARRIER); ``peer`` the other side's global rank of
 a SEND/RECV; ``state`` "started" when issued, "completed" once its work has finished without an
 error. A rank stuck in (or timed out of) a call keeps that entry "started" with nothing after it
 on that group; a rank that never issued a call has no entry with that seq.
+
+Group names, measured on gloo with torch 2.11.0, 2.14.1 and 2.15.0: the default group "0", then
+"1", "2", ... in the order ``new_group`` is called (every rank calls it for every group, member
+or not: the count agrees); a group made with ``use_local_synchronization=True`` or by
+``split_group`` gets a hash of its ranks salted with that count on 2.14+ (2.11's salt is the
+number of groups this rank belongs to, which can differ between members after a group some
+ranks are not in: torch fixed it since).
 
 Why our own: torch's flight recorder (``torch._C._distributed_c10d._dump_fr_trace``) does keep
 entries for gloo on 2.14.1, but their ``state`` stays "scheduled" for ever (no watchdog updates
@@ -38,18 +47,29 @@ from pathlib import Path
 
 #: The states an entry can have.
 STARTED, COMPLETED = "started", "completed"
+#: The keys of an entry, in order.
+KEYS = ("seq", "group", "members", "op", "shapes", "dtype", "peer", "state")
 
 _hook_ids = itertools.count(1_700_000)
 #: Recorders in force in this process: their ``refresh`` is called before a trace is saved.
 _active: list = []
 
 
-def group_label(group) -> str:
-    """A group's global ranks, sorted and comma-joined (None: the default group)."""
+def group_name(group) -> str:
+    """A group's name (None: the default group): torch's ``group_name``."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    group = group if group is not None else dist.group.WORLD
+    name = getattr(group, "group_name", None)
+    return str(name) if name else c10d._get_process_group_name(group)
+
+
+def group_members(group) -> list[int]:
+    """A group's global ranks, sorted (None: the default group)."""
     import torch.distributed as dist
 
-    return ",".join(str(r) for r in sorted(dist.get_process_group_ranks(
-        group if group is not None else dist.group.WORLD)))
+    return sorted(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 
 def _dtype(tensors) -> str:
@@ -63,18 +83,20 @@ class _Recorder:
     def __init__(self, trace):
         self.trace = trace
         self.works: list = []  # [(entry, work)] not yet seen completed
-        self.unposted: dict = {}  # group label -> entries whose work the post hook has not given
+        self.unposted: dict = {}  # group name -> entries whose work the post hook has not given
 
-    def seen(self, group, label, counter):
+    def seen(self, group, name, counter):
         import torch.distributed as dist
         from course.collectives import has_pre_hooks
+
+        members = group_members(group)
 
         def note(op, inputs, outputs, peer):
             tensors = inputs or outputs
             if not has_pre_hooks():  # no post hook: the calls before this one returned
                 for entry in self.trace:
                     entry["state"] = COMPLETED
-            entry = {"seq": next(counter), "group": label, "op": op,
+            entry = {"seq": next(counter), "group": name, "members": list(members), "op": op,
                      "shapes": [list(t.shape) for t in tensors], "dtype": _dtype(tensors),
                      "peer": (dist.get_global_rank(group, peer)
                               if op in ("SEND", "RECV") and peer is not None and peer >= 0
@@ -82,13 +104,13 @@ class _Recorder:
                      "state": STARTED}
             self.refresh()
             self.trace.append(entry)
-            self.unposted.setdefault(label, []).append(entry)
+            self.unposted.setdefault(name, []).append(entry)
         return note
 
-    def posted(self, label):
-        """The post hook: the work of the oldest entry of ``label`` still without one."""
+    def posted(self, name):
+        """The post hook: the work of the oldest entry of group ``name`` still without one."""
         def hook(args):
-            pending = self.unposted.get(label)
+            pending = self.unposted.get(name)
             if not pending:
                 return
             entry, work = pending.pop(0), getattr(args, "work", None)
@@ -146,15 +168,14 @@ def record_trace(groups=None):
             watched.append(group)
     trace: list = []
     recorder = _Recorder(trace)
-    hooks, counters = [], {}
+    hooks = []
     with contextlib.ExitStack() as stack:
         for group in watched:
-            label = group_label(group)
-            counter = counters.setdefault(label, itertools.count())  # groups of the same ranks: one
-            stack.enter_context(watch_group(group, recorder.seen(group, label, counter)))
+            name = group_name(group)
+            stack.enter_context(watch_group(group, recorder.seen(group, name, itertools.count())))
             if has_pre_hooks() and hasattr(group, "register_post_hook"):
                 hook_id = next(_hook_ids)
-                group.register_post_hook(hook_id, recorder.posted(label))
+                group.register_post_hook(hook_id, recorder.posted(name))
                 hooks.append((group, hook_id))
         _active.append(recorder)
         failed = False
@@ -198,31 +219,33 @@ def load_traces(directory) -> list[list[dict]]:
 COLOURS = {COMPLETED: "#cfe8cf", STARTED: "#f6c26b", None: "#eeeeee"}
 
 
-def _group_labels(all_ranks_entries) -> list[str]:
-    labels = {e["group"] for trace in all_ranks_entries for e in trace}
-    return sorted(labels, key=lambda g: (-len(g.split(",")), g))
+def _groups(all_ranks_entries) -> list[tuple[str, list[int]]]:
+    """``(name, members)`` of every group in the traces: the largest first, then by members,
+    then by name."""
+    groups = {e["group"]: list(e["members"]) for trace in all_ranks_entries for e in trace}
+    return sorted(groups.items(), key=lambda gm: (-len(gm[1]), gm[1], gm[0]))
 
 
 def plot_traces(traces, mark=None, ax=None):
     """Draw ``traces`` (index = rank): ranks as rows; each group's calls as columns by seq (the
     largest group first), labelled by op, coloured by state (grey: a member that never issued
-    it); ``mark=(group, seq)`` outlines that column in red. Returns the axes."""
+    it); ``mark=(group name, seq)`` outlines that column in red. Returns the axes."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    labels = _group_labels(traces)
-    width = {g: 1 + max(e["seq"] for t in traces for e in t if e["group"] == g) for g in labels}
+    groups = _groups(traces)
+    members = dict(groups)
+    width = {g: 1 + max(e["seq"] for t in traces for e in t if e["group"] == g) for g in members}
     start, x = {}, 0
-    for g in labels:
+    for g, _ in groups:
         start[g], x = x, x + width[g] + 0.5
     n = len(traces)
     if ax is None:
         _, ax = plt.subplots(figsize=(max(4.0, 1.1 * x + 1), 0.6 * n + 1.2))
     by_cell = {(r, e["group"], e["seq"]): e for r, t in enumerate(traces) for e in t}
-    for g in labels:
-        members = [int(r) for r in g.split(",")]
+    for g, ranks in groups:
         for seq in range(width[g]):
-            for r in members:
+            for r in ranks:
                 if r >= n:
                     continue
                 entry = by_cell.get((r, g, seq))
@@ -237,10 +260,10 @@ def plot_traces(traces, mark=None, ax=None):
                         text += "\n" + "x".join(map(str, entry["shapes"][0]))
                     ax.text(cx + 0.46, cy, text, ha="center", va="center", fontsize=6)
             ax.text(start[g] + seq + 0.46, -0.5, f"#{seq}", ha="center", fontsize=6, color="grey")
-        ax.text(start[g] + width[g] / 2, -0.8, f"group {g}", ha="center", fontsize=7)
+        ax.text(start[g] + width[g] / 2, -0.8, f"group {g}: ranks {','.join(map(str, ranks))}",
+                ha="center", fontsize=7)
     if mark is not None and mark[0] in start:
-        members = [int(r) for r in mark[0].split(",")]
-        lo, hi = min(members), min(max(members), n - 1)
+        lo, hi = min(members[mark[0]]), min(max(members[mark[0]]), n - 1)
         ax.add_patch(Rectangle((start[mark[0]] + mark[1] - 0.05, lo - 0.5), 1.02, hi - lo + 1,
                                fill=False, edgecolor="red", linewidth=2))
     ax.set_xlim(-0.2, max(x, 1))

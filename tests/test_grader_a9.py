@@ -4,8 +4,9 @@ exactly the checks that judge what it breaks, and a hang costs one timeout; and,
 without a grading, the grader's own parts: public_cases.json is the key's, the planted faults
 recorded on gloo give the diagnoses the grader expects, the malformed traces are malformed.
 
-Planted bugs (one grading, with the key; different functions): a diagnosis that reports the divergence of the lowest rank instead of the first
-divergence (diagnose's fixed, hidden and recorded checks; its ValueError point kept), a save
+Planted bugs (one grading, with the key; different functions): a diagnosis that ignores the waits
+(the smallest seq across groups, the rule the text had before) (diagnose's fixed, hidden and
+recorded checks; its ValueError point kept), a save
 written in place instead of to a temporary file and committed (both kill checks; the round trip
 kept), a restart that does not restore the RNG state (train_resumable's bitwise and
 across-world-size checks; the samples read are right), and an async save that aliases the live
@@ -49,8 +50,9 @@ RELEASE = REPO / "assignments" / "a9_resilience" / "resilience.ipynb"
 GRADING_SECONDS = 30
 
 BUGS = {
-    # the divergence of the lowest rank, not the first one
-    "diagnose": ("min(found, key=lambda d: d[:3])", "min(found, key=lambda d: (d[2], d[:2]))"),
+    # the waits ignored: the smallest seq across groups, which blames a victim
+    "diagnose": ("    roots = [g for g in firsts if not waits(g)] or list(firsts)\n",
+                 "    roots = list(firsts)\n"),
     # written in place: a kill mid-write leaves a checkpoint that looks complete
     "save_checkpoint": ('temporary = directory / f"incomplete-{step}-{os.getpid()}.tmp"',
                         'temporary = directory / f"checkpoint-{step:012d}.pt"'),
@@ -134,9 +136,8 @@ def test_released_stubs_score_zero_with_readable_messages(offline_env):
 @pytest.mark.full
 @pytest.mark.slow
 def test_planted_bugs_lose_exactly_their_checks(offline_env, tmp_path):
-    # run seed 1: the hidden check's traces (seed 288545018, the run's first draw) include 5
-    # cases where the lowest rank's divergence is not the first (some are at 497 of the first
-    # 500 seeds, measured)
+    # run seed 1: the hidden check's traces (seed 288545018, the run's first draw) include 7
+    # cases where the waits decide (some are at each of the first 500 seeds, measured)
     report = grade(planted_copy(SOURCE, tmp_path, "bugs", BUGS, RNG_BUG, ALIAS_BUG), "--speed",
                    "skip",
                    "--seed", "1", env=offline_env)
@@ -144,8 +145,8 @@ def test_planted_bugs_lose_exactly_their_checks(offline_env, tmp_path):
     assert_only_these_checks_fail(report, BUGS_FAIL,
                                   skipped_with_reason={c.name for c in SPEC.checks if c.speed})
     failed = {r["name"]: r["message"] for r in report["results"] if r["status"] == "failed"}
-    assert "expected {'group': '1,2', 'seq': 0" in failed[
-        "diagnose_planted_faults_recorded_on_gloo"], failed
+    assert "'seq': 2, 'kind': 'missing', 'ranks': [3]} (recorded" in failed[
+        "diagnose_planted_faults_recorded_on_gloo"], failed  # lesson 17's hang
     for name in ("each_file_system_call", "random_moments"):
         assert "load_latest" in failed[f"checkpoint_survives_kills_at_{name}"], failed
     assert "the uninterrupted run had" in failed[
@@ -248,13 +249,20 @@ def test_a_save_that_never_commits(offline_env, tmp_path):
 
 def test_public_cases_json_is_the_keys():
     """public_cases.json is what the key's public_cases() gives (write it again with ``python
-    solutions/a9_resilience/answer_key.py``), and covers every kind, None and the tie rules."""
+    solutions/a9_resilience/answer_key.py``), and covers every kind, None, the tie rules and the
+    text's example (lesson 17's hang), whose divergence on the default group waits on the
+    pair's."""
     K = key()
     assert json.loads(E.PUBLIC_CASES_PATH.read_text()) == K.public_cases() == E.public_cases()
     assert E.PUBLIC_CASES_PATH.read_text() == K.public_cases_text()
-    expected = [c["expected"] for c in E.public_cases()["diagnose"]]
+    cases = {c["what"].split(":")[0]: c for c in E.public_cases()["diagnose"]}
+    expected = [c["expected"] for c in cases.values()]
     assert None in expected
     assert {e["kind"] for e in expected if e} == set(E.KINDS)
+    hang = cases["lesson 17's hang"]
+    assert hang["expected"] == {"group": "2", "seq": 2, "kind": "missing", "ranks": [3]}
+    firsts, _ = K.group_divergences(hang["traces"])
+    assert firsts["0"] == {"group": "0", "seq": 2, "kind": "missing", "ranks": [2, 3]}
 
 
 def test_malformed_traces_raise_and_random_traces_cover_every_kind():
@@ -267,15 +275,27 @@ def test_malformed_traces_raise_and_random_traces_cover_every_kind():
     kinds = {(d or {}).get("kind") for s in range(3)
              for d in map(K.diagnose, K.hidden_traces(random.Random(s)))}
     assert kinds >= {None, "missing", "op", "shape", "dtype"}, kinds
+    # and the waits decide some of them: not the smallest of every group's divergence
+    for s in range(3):
+        decided = 0
+        for traces in K.hidden_traces(random.Random(s)):
+            firsts, members = K.group_divergences(traces)
+            smallest = min(firsts.values(), default=None, key=lambda d: (
+                d["seq"], members[d["group"]], d["group"], d["ranks"]))
+            decided += K.diagnose(traces) != smallest
+        assert decided >= 2, (s, decided)
 
 
 @pytest.mark.full
 @pytest.mark.slow
 def test_planted_faults_recorded_on_gloo_give_the_expected_diagnoses():
-    """The grader's own recording (3 gloo processes, ~3 s): each planted fault's traces are
+    """The grader's own recording (4 gloo processes, ~3 s): each planted fault's traces are
     diagnosed as the grader expects by the answer key, and the fault is really in the trace
-    (the clean run has none)."""
+    (the clean runs have none); two groups of the same ranks are two groups."""
     recorded = faults.recorded()
     for name, what, want in faults.SCENARIOS:
-        assert key().diagnose(recorded[name]) == want, (name, recorded[name])
+        assert key().diagnose(recorded[name]) == faults.expected(want, recorded[name]), (
+            name, recorded[name])
+    twins = {(e["group"], tuple(e["members"])) for e in recorded["twins"][0]}
+    assert len([g for g, members in twins if members == (0, 1)]) == 2, twins
     assert all(len(recorded[name]) == faults.WORLD for name, _, _ in faults.SCENARIOS)

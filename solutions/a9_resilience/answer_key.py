@@ -25,25 +25,30 @@ from autograder.assignments.a9_resilience import expected as E
 
 OPS = E.OPS
 P2P = ("SEND", "RECV")
-KEYS = ("seq", "group", "op", "shapes", "dtype", "peer", "state")
+KEYS = ("seq", "group", "members", "op", "shapes", "dtype", "peer", "state")
 
 
 # ---------------------------------------------------------------------------- diagnose
 
-def _members(label, rank, n):
-    try:
-        members = [int(x) for x in label.split(",")]
-    except (AttributeError, ValueError):
-        raise ValueError(f"group {label!r} is not comma-joined ranks") from None
-    if members != sorted(set(members)) or not members or members[0] < 0 or members[-1] >= n:
-        raise ValueError(f"group {label!r}: ranks must be sorted, distinct, in 0..{n - 1}")
-    if rank not in members:
-        raise ValueError(f"rank {rank} has an entry on group {label!r}, of which it is no member")
-    return members
+def _members(e, rank, n, members):
+    """The record's members, checked (and the same as the group's other records')."""
+    group, got = e["group"], e["members"]
+    if not isinstance(group, str) or not group:
+        raise ValueError(f"rank {rank}: group should be a non-empty string; got {group!r}")
+    if (not isinstance(got, list) or not got or not all(type(r) is int for r in got)
+            or got != sorted(set(got)) or got[0] < 0 or got[-1] >= n):
+        raise ValueError(f"rank {rank}: members of group {group!r} should be sorted, distinct "
+                         f"ranks in 0..{n - 1}; got {got!r}")
+    if rank not in got:
+        raise ValueError(f"rank {rank} has an entry on group {group!r}, of which it is no member")
+    if members.setdefault(group, got) != got:
+        raise ValueError(f"group {group!r} has members {members[group]} and {got}")
+    return got
 
 
 def _table(traces):
-    """``{group: {rank: [entry by seq]}}``; ValueError for anything malformed."""
+    """``{group: {rank: [entry by seq]}}`` and ``{group: members}``; ValueError for anything
+    malformed."""
     if not isinstance(traces, (list, tuple)):
         raise ValueError("traces should be a list with one list of entries per rank")
     n, table, members = len(traces), {}, {}
@@ -62,10 +67,9 @@ def _table(traces):
                 raise ValueError(f"rank {rank}: shapes should be a list of lists of ints")
             if not isinstance(e["dtype"], str):
                 raise ValueError(f"rank {rank}: dtype should be a string")
-            group = e["group"]
-            members[group] = _members(group, rank, n)
+            group, ranks = e["group"], _members(e, rank, n, members)
             if e["op"] in P2P:
-                if type(e["peer"]) is not int or e["peer"] == rank or e["peer"] not in members[group]:
+                if type(e["peer"]) is not int or e["peer"] == rank or e["peer"] not in ranks:
                     raise ValueError(f"rank {rank}: a {e['op']} needs a peer in group {group!r} "
                                      f"other than itself; got {e['peer']!r}")
             elif e["peer"] is not None:
@@ -82,6 +86,14 @@ def _signature(e):
     return (e["op"], tuple(map(tuple, e["shapes"])), e["dtype"])
 
 
+def _reference(members, calls, seq):
+    """The most common call at ``seq`` among the members that made one (a tie: the lowest
+    rank's); None when none did."""
+    here = [(r, _signature(calls[r][seq])) for r in members if seq < len(calls.get(r, []))]
+    counts = Counter(sig for _, sig in here)
+    return next((sig for _, sig in here if counts[sig] == max(counts.values())), None)
+
+
 def _collective(group, members, calls, seq):
     here = {r: calls.get(r, [])[seq] for r in members if seq < len(calls.get(r, []))}
     if not here or here[min(here)]["op"] in P2P:
@@ -89,21 +101,14 @@ def _collective(group, members, calls, seq):
     absent = [r for r in members if r not in here]
     if absent:
         return {"group": group, "seq": seq, "kind": "missing", "ranks": absent}
-    counts = Counter(_signature(e) for e in here.values())
-    top = max(counts.values())
-    ref = next(_signature(here[r]) for r in members if counts[_signature(here[r])] == top)
+    ref = _reference(members, calls, seq)
     wrong = [r for r in members if _signature(here[r]) != ref]
     if not wrong:
         return None
-    majority = [r for r in members if r not in wrong]
-
-    def at(r, s):
-        c = calls.get(r, [])
-        return _signature(c[s]) if s < len(c) else None
-
-    nxt = {at(r, seq + 1) for r in majority}
-    if (len(nxt) == 1 and None not in nxt and
-            all(at(r, seq) == next(iter(nxt)) and at(r, seq + 1) == ref for r in wrong)):
+    after = _reference(members, calls, seq + 1)
+    if after is not None and all(
+            seq + 1 < len(calls[r]) and _signature(here[r]) == after
+            and _signature(calls[r][seq + 1]) == ref for r in wrong):
         kind = "order"
     elif any(here[r]["op"] != ref[0] for r in wrong):
         kind = "op"
@@ -135,16 +140,39 @@ def _point_to_point(group, members, calls):
     return found
 
 
-def diagnose(traces):
+def group_divergences(traces):
+    """``({group: its first divergence}, {group: members})``: every group's divergences, as the
+    text defines them, the first of each kept (smallest seq, then ranks, then kind)."""
     table, members = _table(traces)
-    found = []
+    firsts = {}
     for group, calls in table.items():
-        found += _point_to_point(group, members[group], calls)
+        found = _point_to_point(group, members[group], calls)
         for seq in range(max(len(c) for c in calls.values())):
             d = _collective(group, members[group], calls, seq)
             if d:
                 found.append(d)
-    return min(found, key=lambda d: (d["seq"], d["group"], d["ranks"]), default=None)
+        if found:
+            firsts[group] = min(found, key=lambda d: (d["seq"], d["ranks"],
+                                                      E.KINDS.index(d["kind"])))
+    return firsts, members
+
+
+def diagnose(traces):
+    firsts, members = group_divergences(traces)
+    last = {rank: (t[-1]["group"], t[-1]["seq"]) for rank, t in enumerate(traces) if t}
+
+    def waits_on_another(d):
+        if d["kind"] != "missing":
+            return False
+        for rank in d["ranks"]:
+            group, seq = last.get(rank, (None, -1))
+            if group != d["group"] and group in firsts and seq >= firsts[group]["seq"]:
+                return True
+        return False
+
+    roots = [d for d in firsts.values() if not waits_on_another(d)]
+    return min(roots or firsts.values(), default=None,
+               key=lambda d: (d["seq"], members[d["group"]], d["group"], d["ranks"]))
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -179,73 +207,132 @@ def load_latest(directory, state):
 
 # ---------------------------------------------------------------------------- hidden cases
 
-def _random_clean(g: random.Random):
-    """Random traces of a clean run: 3-5 ranks, collectives on the world and on subgroups,
-    point-to-point on its own group."""
-    n = g.randint(3, 5)
-    traces = [[] for _ in range(n)]
-    world = ",".join(map(str, range(n)))
-    sub = ",".join(map(str, sorted(g.sample(range(n), 2))))
-    pair = sub
-    while pair == sub:  # a group carries collectives or point-to-point calls, not both
-        pair = ",".join(map(str, sorted(g.sample(range(n), 2))))
-    counters = {}
+def _random_program(g: random.Random):
+    """A random clean program: 3-6 ranks; the default group "0", a tensor-parallel-like
+    partition into pairs (and a triple), another subgroup, sometimes a second group of a pair's
+    ranks, a group of two for point-to-point calls (a group carries collectives or point-to-point
+    calls, not both); names as torch gives them (numbers, or hashes for groups made with
+    use_local_synchronization). Returns ``(n, calls)``: ``calls[rank]`` lists the calls the rank
+    issues, in order, each ``(group, members, op, shapes, dtype, peer)``."""
+    n = g.randint(3, 6)
+    names = iter(g.sample([str(k) for k in range(1, 30)], 6) if g.random() < 0.7 else
+                 ["%040x" % g.getrandbits(160) for _ in range(6)])
+    ranks = g.sample(range(n), n)
+    pairs = n // 2 - n % 2  # an odd number of ranks: the last three make a triple
+    blocks = [ranks[2 * k:2 * k + 2] for k in range(pairs)] + ([ranks[2 * pairs:]] if n % 2 else [])
+    groups = [("0", list(range(n)))] + [(next(names), sorted(b)) for b in blocks]
+    side = (next(names), sorted(g.sample(range(n), g.randint(2, n - 1))))
+    twin = (next(names), groups[1][1]) if g.random() < 0.5 else None
+    pair = (next(names), sorted(g.sample(range(n), 2)))
+    calls = [[] for _ in range(n)]
 
-    def add(rank, group, op, shapes, dtype, peer=None):
-        seq = counters.get((rank, group), 0)
-        counters[(rank, group)] = seq + 1
-        traces[rank].append({"seq": seq, "group": group, "op": op, "shapes": shapes,
-                             "dtype": dtype, "peer": peer, "state": "completed"})
+    def collective(group, op, shapes, dtype):
+        for r in group[1]:
+            calls[r].append((group[0], group[1], op, shapes, dtype, None))
 
-    for _ in range(g.randint(4, 8)):
-        what = g.random()
-        shapes = [[g.randint(1, 6), g.randint(1, 4)]]
-        dtype = g.choice(["float32", "float64", "bfloat16"])
-        op = g.choice([o for o in OPS if o not in P2P and o != "BARRIER"])
-        if what < 0.55:
-            for r in range(n):
-                add(r, world, op, shapes, dtype)
-        elif what < 0.8:
-            for r in map(int, sub.split(",")):
-                add(r, sub, op, shapes, dtype)
-        else:
-            a, b = map(int, pair.split(","))
-            if g.random() < 0.5:
-                a, b = b, a
-            add(a, pair, "SEND", shapes, dtype, b)
-            add(b, pair, "RECV", shapes, dtype, a)
-    return traces
+    for _ in range(g.randint(1, 3)):  # steps
+        for _ in range(g.randint(1, 2)):  # the "tensor-parallel" calls of each block
+            shapes, dtype = [[g.randint(1, 6)]], g.choice(["float32", "bfloat16"])
+            for block in groups[1:]:
+                collective(block, g.choice(["ALLREDUCE", "ALLGATHER"]), shapes, dtype)
+        extra = g.random()
+        if extra < 0.3:
+            collective(side, g.choice(["ALLREDUCE", "BROADCAST"]), [[2, g.randint(1, 4)]],
+                       "float32")
+        elif extra < 0.5 and twin is not None:
+            collective(twin, "ALLREDUCE", [[3]], "float64")
+        elif extra < 0.75:
+            a, b = g.sample(pair[1], 2)
+            shapes, dtype = [[g.randint(1, 5)]], g.choice(["float32", "float64"])
+            calls[a].append((pair[0], pair[1], "SEND", shapes, dtype, b))
+            calls[b].append((pair[0], pair[1], "RECV", shapes, dtype, a))
+        collective(groups[0], g.choice(["ALLREDUCE", "REDUCE_SCATTER"]), [[8]], "float32")
+    return n, calls
 
 
-def _plant(g: random.Random, traces):
-    """One fault in a copy of ``traces``: drop a call from a rank's trace (and, as a hung rank
-    does, everything after it on that group), or change one call's op, shape or dtype."""
-    traces = copy.deepcopy(traces)
-    rank = g.randrange(len(traces))
-    if not traces[rank]:
-        return traces
-    i = g.randrange(len(traces[rank]))
-    e = traces[rank][i]
-    how = g.choice(["drop", "op", "shape", "dtype"])
-    if how == "drop":
-        traces[rank] = [x for j, x in enumerate(traces[rank])
-                        if not (x["group"] == e["group"] and x["seq"] >= e["seq"])]
-    elif how == "op" and e["op"] not in P2P:
-        e["op"] = next(o for o in ("ALLGATHER", "ALLREDUCE") if o != e["op"])
+def _plant(g: random.Random, calls):
+    """One fault in a copy of ``calls``: a rank stops before one of its calls (stuck in
+    compute), skips one, swaps two neighbouring calls of one group, or changes one call's op,
+    shape or dtype."""
+    calls = copy.deepcopy(calls)
+    rank = g.randrange(len(calls))
+    if not calls[rank]:
+        return calls
+    i = g.randrange(len(calls[rank]))
+    group, members, op, shapes, dtype, peer = calls[rank][i]
+    how = g.choice(["stuck", "stuck", "skip", "swap", "op", "shape", "dtype"])
+    if how == "stuck":
+        del calls[rank][i:]
+    elif how == "skip":
+        del calls[rank][i]
+    elif how == "swap":
+        later = [j for j in range(i + 1, len(calls[rank])) if calls[rank][j][0] == group]
+        if later:
+            j = later[0]
+            calls[rank][i], calls[rank][j] = calls[rank][j], calls[rank][i]
+    elif how == "op" and op not in P2P:
+        calls[rank][i] = (group, members, "BROADCAST" if op != "BROADCAST" else "ALLREDUCE",
+                          shapes, dtype, peer)
     elif how == "shape":
-        e["shapes"] = [[d + 1 for d in s] for s in e["shapes"]]
+        calls[rank][i] = (group, members, op, [[d + 1 for d in s] for s in shapes], dtype, peer)
     else:
-        e["dtype"] = "float16"
+        calls[rank][i] = (group, members, op, shapes, "float16", peer)
+    return calls
+
+
+def _run(calls, blocking: bool):
+    """The traces of running ``calls``: every rank issues its calls in order. A call completes
+    when its group's members have all issued theirs at that seq, alike (a send: when its
+    receive is posted, alike); a blocking rank issues nothing after a call that never
+    completes. Asynchronous ranks issue everything."""
+    n = len(calls)
+    traces, done, counts = [[] for _ in range(n)], [0] * n, [{} for _ in range(n)]
+
+    def issue(r):
+        group, members, op, shapes, dtype, peer = calls[r][len(traces[r])]
+        seq = counts[r].get(group, 0)
+        counts[r][group] = seq + 1
+        traces[r].append({"seq": seq, "group": group, "members": list(members), "op": op,
+                          "shapes": shapes, "dtype": dtype, "peer": peer, "state": "started"})
+
+    def complete(r, e):
+        if e["op"] in P2P:
+            mine = [x for x in traces[r] if x["op"] == e["op"] and x["peer"] == e["peer"]]
+            other = "RECV" if e["op"] == "SEND" else "SEND"
+            theirs = [x for x in traces[e["peer"]] if x["op"] == other and x["peer"] == r]
+            k = next(k for k, x in enumerate(mine) if x is e)
+            return k < len(theirs) and (theirs[k]["shapes"], theirs[k]["dtype"]) == (
+                e["shapes"], e["dtype"])
+        at = [next((x for x in traces[m] if x["group"] == e["group"] and x["seq"] == e["seq"]),
+                   None) for m in e["members"]]
+        return all(x is not None and _signature(x) == _signature(e) for x in at)
+
+    moved = True
+    while moved:
+        moved = False
+        for r in range(n):
+            while len(traces[r]) < len(calls[r]) and (not blocking or done[r] == len(traces[r])):
+                issue(r)
+                moved = True
+        for r in range(n):
+            while done[r] < len(traces[r]) and complete(r, traces[r][done[r]]):
+                traces[r][done[r]]["state"] = "completed"
+                done[r] += 1
+                moved = True
     return traces
 
 
 def hidden_traces(g: random.Random) -> list:
-    """26 random cases: 2 clean, 8 with one planted fault each, 16 with two (which of them is
+    """26 random cases, each run with blocking calls (a hang spreads across groups) or
+    asynchronous ones: 2 clean, 8 with one planted fault each, 16 with two (which of them is
     the first divergence is then a question)."""
-    cases = [_random_clean(g) for _ in range(2)]
-    cases += [_plant(g, _random_clean(g)) for _ in range(8)]
-    cases += [_plant(g, _plant(g, _random_clean(g))) for _ in range(16)]
-    return cases
+    def case(faults):
+        n, calls = _random_program(g)
+        for _ in range(faults):
+            calls = _plant(g, calls)
+        return _run(calls, blocking=g.random() < 0.7)
+
+    return [case(0) for _ in range(2)] + [case(1) for _ in range(8)] + [case(2) for _ in range(16)]
 
 
 # ---------------------------------------------------------------------------- public values

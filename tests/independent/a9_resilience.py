@@ -9,8 +9,10 @@ it does not say. Keys are the answer cells' grade ids.
 Deliberately other choices than a typical solution's:
 
 - ``diagnose`` parses every record into a frozen ``dataclass`` (``_Call``) that validates itself,
-  collects every divergence as a sortable ``NamedTuple`` and picks the first with ``sorted``;
-  the reference call is chosen by sorting the members' calls by (-count, first rank);
+  collects every divergence as a sortable ``NamedTuple`` and picks each group's and the first
+  with ``sorted``; the reference call is chosen by sorting the calls by (-count, first rank);
+  the waits are a map from each rank to the group whose divergence its last call is in, and the
+  divergences that wait are a set;
 - a checkpoint is a *folder* (``step-<n>/`` holding one ``torch.save`` file per key, a JSON
   index of the plain values): it is written under a temporary name with ``tempfile.mkdtemp``
   and committed by renaming the folder (``os.rename``, atomic for a folder on one file
@@ -30,7 +32,8 @@ from typing import NamedTuple
 
 _OPS = frozenset("ALLREDUCE BROADCAST REDUCE ALLGATHER REDUCE_SCATTER ALLTOALL BARRIER "
                  "GATHER SCATTER SEND RECV".split())
-_FIELDS = frozenset({"seq", "group", "op", "shapes", "dtype", "peer", "state"})
+_FIELDS = frozenset({"seq", "group", "members", "op", "shapes", "dtype", "peer", "state"})
+_KIND_ORDER = {k: i for i, k in enumerate(["missing", "op", "shape", "dtype", "order"])}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +54,8 @@ class _Call:
     @classmethod
     def parse(cls, rank, world, record):
         if type(record) is not dict or frozenset(record) != _FIELDS:
-            raise ValueError(f"rank {rank}: not a record with the seven keys: {record!r}")
-        op, peer, group = record["op"], record["peer"], record["group"]
+            raise ValueError(f"rank {rank}: not a record with the eight keys: {record!r}")
+        op, peer, group, members = record["op"], record["peer"], record["group"], record["members"]
         if op not in _OPS:
             raise ValueError(f"rank {rank}: op {op!r} is unknown")
         if record["state"] not in {"started", "completed"}:
@@ -63,19 +66,20 @@ class _Call:
         if type(shapes) is not list or any(type(s) is not list or any(type(d) is not int for d in s)
                                            for s in shapes):
             raise ValueError(f"rank {rank}: shapes {shapes!r} are not lists of ints")
-        parts = group.split(",") if type(group) is str else None
-        if not parts or not all(p.isdigit() for p in parts):
-            raise ValueError(f"rank {rank}: group {group!r}")
-        members = tuple(int(p) for p in parts)
-        if list(members) != sorted(set(members)) or members[-1] >= world or rank not in members:
-            raise ValueError(f"rank {rank}: group {group!r} is not sorted ranks holding it")
+        if type(group) is not str or group == "":
+            raise ValueError(f"rank {rank}: group {group!r} is not a non-empty string")
+        if type(members) is not list or not members or any(type(m) is not int for m in members):
+            raise ValueError(f"rank {rank}: members {members!r} are not a list of ints")
+        if (any(b <= a for a, b in zip(members, members[1:])) or members[0] < 0
+                or members[-1] >= world or rank not in members):
+            raise ValueError(f"rank {rank}: members {members!r} are not sorted ranks holding it")
         if (op in ("SEND", "RECV")) != (peer is not None):
             raise ValueError(f"rank {rank}: {op} with peer {peer!r}")
         if peer is not None and (type(peer) is not int or peer == rank or peer not in members):
             raise ValueError(f"rank {rank}: {op} with peer {peer!r}")
         if type(record["seq"]) is not int:
             raise ValueError(f"rank {rank}: seq {record['seq']!r}")
-        return cls(rank, record["seq"], group, members, op,
+        return cls(rank, record["seq"], group, tuple(members), op,
                    tuple(tuple(s) for s in shapes), record["dtype"], peer)
 
 
@@ -86,8 +90,23 @@ class _Divergence(NamedTuple):
     kind: str
 
 
+def _most_common(calls, members):
+    """The reference: the most common call of those made, a tie going to the lowest rank's."""
+    tally = {}
+    for r in members:
+        if r in calls:
+            tally.setdefault(calls[r], []).append(r)
+    if not tally:
+        return None
+    return sorted(tally.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))[0][0]
+
+
 def _collective_divergences(group, members, lines):
     out = []
+
+    def made(seq):
+        return {r: lines[r][seq].what for r in members if len(lines.get(r, ())) > seq}
+
     for seq in range(max(map(len, lines.values()))):
         present = {r: lines[r][seq] for r in members if len(lines.get(r, ())) > seq}
         if present[min(present)].op in ("SEND", "RECV"):
@@ -95,22 +114,15 @@ def _collective_divergences(group, members, lines):
         if len(present) != len(members):
             out.append(_Divergence(seq, group, [r for r in members if r not in present], "missing"))
             continue
-        tally = {}
-        for r in members:
-            tally.setdefault(present[r].what, []).append(r)
-        reference = sorted(tally.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))[0][0]
-        odd = [r for r in members if present[r].what != reference]
+        now, following = made(seq), made(seq + 1)
+        reference = _most_common(now, members)
+        odd = [r for r in members if now[r] != reference]
         if not odd:
             continue
-
-        def what(r, s):
-            line = lines.get(r, ())
-            return line[s].what if len(line) > s else None
-
-        following = {what(r, seq + 1) for r in members if r not in odd}
-        swapped = (len(following) == 1 and None not in following and
-                   all(what(r, seq) in following and what(r, seq + 1) == reference for r in odd))
-        if swapped:
+        reference_next = _most_common(following, members)
+        if reference_next is not None and all(
+                r in following and now[r] == reference_next and following[r] == reference
+                for r in odd):
             kind = "order"
         elif any(present[r].op != reference[0] for r in odd):
             kind = "op"
@@ -147,24 +159,41 @@ def diagnose(traces):
     if type(traces) is not list:
         raise ValueError("traces must be a list of per-rank lists")
     world = len(traces)
-    by_group = {}
+    by_group, members_of, last_call = {}, {}, {}
     for rank, records in enumerate(traces):
         if type(records) is not list:
             raise ValueError(f"the trace of rank {rank} is not a list")
         for record in records:
             call = _Call.parse(rank, world, record)
-            line = by_group.setdefault((call.group, call.members), {}).setdefault(rank, [])
+            if members_of.setdefault(call.group, call.members) != call.members:
+                raise ValueError(f"group {call.group} is given two member lists")
+            line = by_group.setdefault(call.group, {}).setdefault(rank, [])
             if call.seq != len(line):
                 raise ValueError(f"rank {rank}: seq {call.seq} on {call.group} should be "
                                  f"{len(line)} (seqs go 0, 1, 2, ...)")
             line.append(call)
-    found = []
-    for (group, members), lines in by_group.items():
-        found.extend(_p2p_divergences(group, members, lines))
-        found.extend(_collective_divergences(group, members, lines))
-    if not found:
+            last_call[rank] = call
+    # each group's own divergence: its smallest seq, then ranks, then kind
+    own = {}
+    for group, lines in by_group.items():
+        members = members_of[group]
+        found = _p2p_divergences(group, members, lines) + \
+            _collective_divergences(group, members, lines)
+        if found:
+            own[group] = sorted(found, key=lambda d: (d.seq, d.ranks, _KIND_ORDER[d.kind]))[0]
+    # where each rank waits: the divergence its last call is in (if any)
+    waiting_in = {}
+    for rank, call in last_call.items():
+        d = own.get(call.group)
+        if d is not None and call.seq >= d.seq:
+            waiting_in[rank] = call.group
+    blocked = {g for g, d in own.items() if d.kind == "missing" and
+               any(waiting_in.get(r, g) != g for r in d.ranks)}
+    candidates = [d for g, d in own.items() if g not in blocked] or list(own.values())
+    if not candidates:
         return None
-    first = sorted(found, key=lambda d: (d.seq, d.group, d.ranks))[0]
+    first = sorted(candidates,
+                   key=lambda d: (d.seq, list(members_of[d.group]), d.group, d.ranks))[0]
     return {"group": first.group, "seq": first.seq, "kind": first.kind, "ranks": first.ranks}
 ''',
     "save_checkpoint": '''\

@@ -63,7 +63,7 @@ def _show(per_rank) -> str:
     """Each rank's calls on one line (for a failure's message)."""
     lines = []
     for rank, trace in enumerate(per_rank):
-        calls = ", ".join(f"{e['group']}#{e['seq']} {e['op']}{e['shapes']}"
+        calls = ", ".join(f"group {e['group']} {e['members']}#{e['seq']} {e['op']}{e['shapes']}"
                           + (f" peer {e['peer']}" if e["peer"] is not None else "")
                           + ("" if e["state"] == "completed" else " (started)") for e in trace)
         lines.append(f"  rank {rank}: {calls or '(no calls)'}")
@@ -435,5 +435,6 @@ def test_diagnose_planted_faults_recorded_on_gloo(student):
     recorded = faults.recorded()
     cases = [(what, recorded[name]) for name, what, _ in faults.SCENARIOS]
     replies = student.call(probe_diagnose, [t for _, t in cases])
-    _judge_diagnoses(replies, cases, [want for _, _, want in faults.SCENARIOS],
-                     "recorded from 3 gloo processes")
+    _judge_diagnoses(replies, cases, [faults.expected(want, recorded[name])
+                                      for name, _, want in faults.SCENARIOS],
+                     f"recorded from {faults.WORLD} gloo processes")

@@ -24,8 +24,10 @@ def public_cases() -> dict:
 
 
 def entry(seq, group, op, shape=(4,), dtype="float32", peer=None, state="completed"):
-    return {"seq": seq, "group": group, "op": op, "shapes": [list(shape)] if shape else [],
-            "dtype": dtype, "peer": peer, "state": state}
+    """A record on ``group`` = ``(name, members)``."""
+    name, members = group
+    return {"seq": seq, "group": name, "members": list(members), "op": op,
+            "shapes": [list(shape)] if shape else [], "dtype": dtype, "peer": peer, "state": state}
 
 
 def _run(n, calls):
@@ -34,8 +36,8 @@ def _run(n, calls):
     traces, counts = [[] for _ in range(n)], {}
     for ranks, group, op, shape, dtype, peer in calls:
         for r in ranks:
-            seq = counts.get((r, group), 0)
-            counts[(r, group)] = seq + 1
+            seq = counts.get((r, group[0]), 0)
+            counts[(r, group[0])] = seq + 1
             traces[r].append(entry(seq, group, op, shape, dtype, peer))
     return traces
 
@@ -48,58 +50,114 @@ def _stuck(per_rank):
     return per_rank
 
 
-W3, W4 = "0,1,2", "0,1,2,3"
+def _tensor_parallel_pairs_stuck():
+    """Lesson 17's hang: 4 ranks, pairs [0, 1] and [2, 3]; a broadcast on the default group,
+    then each step two all-reduces on the pair and one on everyone; rank 3 is stuck in compute
+    at step 1 (blocking calls: each rank stops in the first call that cannot complete)."""
+    pair = {0: P01, 1: P01, 2: P23, 3: P23}
+    calls = [((0, 1, 2, 3), D4, "BROADCAST", (3,), F, None)]
+    for step in range(2):
+        for r in range(4):
+            if step == 1 and r in (2, 3):
+                continue
+            calls += [((r,), pair[r], "ALLREDUCE", (4,), F, None)] * 2
+        calls.append(((0, 1, 2, 3), D4, "ALLREDUCE", (8,), F, None))
+    calls[-1] = ((0, 1), D4, "ALLREDUCE", (8,), F, None)
+    calls.append(((2,), P23, "ALLREDUCE", (4,), F, None))
+    traces = _run(4, calls)
+    for r in (0, 1, 2):  # rank 3's last call completed: it is stuck outside any call
+        traces[r][-1]["state"] = "started"
+    return traces
+
+
+#: groups as (name, members): torch names the default group "0", then each new group "1", "2",
+#: ... in the order they are made
+D3, D4 = ("0", [0, 1, 2]), ("0", [0, 1, 2, 3])
+P01, P23 = ("1", [0, 1]), ("2", [2, 3])
 F = "float32"
 #: (what, traces): the public fixed cases (expected values: public_cases.json)
 FIXED_TRACES = [
-    ("a clean run on one group", _run(3, [((0, 1, 2), W3, "ALLREDUCE", (4,), F, None),
-                                          ((0, 1, 2), W3, "BROADCAST", (2, 2), F, None)])),
+    ("a clean run on one group", _run(3, [((0, 1, 2), D3, "ALLREDUCE", (4,), F, None),
+                                          ((0, 1, 2), D3, "BROADCAST", (2, 2), F, None)])),
     ("no calls at all", [[], [], []]),
     ("a clean run on two groups and point-to-point",
-     _run(4, [((0, 1, 2, 3), W4, "ALLREDUCE", (4,), F, None),
-              ((1, 3), "1,3", "ALLGATHER", (2,), F, None),
-              ((0,), "0,2", "SEND", (3,), F, 2), ((2,), "0,2", "RECV", (3,), F, 0),
-              ((0, 1, 2, 3), W4, "BARRIER", (), "", None)])),
+     _run(4, [((0, 1, 2, 3), D4, "ALLREDUCE", (4,), F, None),
+              ((1, 3), ("1", [1, 3]), "ALLGATHER", (2,), F, None),
+              ((0,), ("2", [0, 2]), "SEND", (3,), F, 2), ((2,), ("2", [0, 2]), "RECV", (3,), F, 0),
+              ((0, 1, 2, 3), D4, "BARRIER", (), "", None)])),
+    ("a clean run on two groups of the same ranks, used in different orders (asynchronous "
+     "calls): each group counts its own calls",
+     _run(2, [((0,), ("0", [0, 1]), "ALLREDUCE", (4,), F, None),
+              ((0, 1), ("1", [0, 1]), "ALLGATHER", (2,), F, None),
+              ((1,), ("0", [0, 1]), "ALLREDUCE", (4,), F, None),
+              ((0, 1), ("0", [0, 1]), "BROADCAST", (3,), F, None)])),
     ("rank 2 never issues the second all-reduce",
-     _stuck(_run(3, [((0, 1, 2), W3, "ALLREDUCE", (4,), F, None),
-                     ((0, 1), W3, "ALLREDUCE", (4,), F, None)]))),
+     _stuck(_run(3, [((0, 1, 2), D3, "ALLREDUCE", (4,), F, None),
+                     ((0, 1), D3, "ALLREDUCE", (4,), F, None)]))),
     ("rank 0 broadcasts where the others all-reduce",
-     _stuck(_run(3, [((0, 1, 2), W3, "ALLREDUCE", (4,), F, None),
-                     ((0,), W3, "BROADCAST", (4,), F, None),
-                     ((1, 2), W3, "ALLREDUCE", (4,), F, None)]))),
+     _stuck(_run(3, [((0, 1, 2), D3, "ALLREDUCE", (4,), F, None),
+                     ((0,), D3, "BROADCAST", (4,), F, None),
+                     ((1, 2), D3, "ALLREDUCE", (4,), F, None)]))),
     ("rank 3 sends a float64 tensor in an all-reduce",
-     _stuck(_run(4, [((0, 1, 2), W4, "ALLREDUCE", (4,), F, None),
-                     ((3,), W4, "ALLREDUCE", (4,), "float64", None)]))),
+     _stuck(_run(4, [((0, 1, 2), D4, "ALLREDUCE", (4,), F, None),
+                     ((3,), D4, "ALLREDUCE", (4,), "float64", None)]))),
     ("ranks 1 and 2 swap an all-gather and an all-reduce (asynchronous calls)",
-     _run(4, [((0, 3), W4, "ALLREDUCE", (8,), F, None), ((1, 2), W4, "ALLGATHER", (2,), F, None),
-              ((0, 3), W4, "ALLGATHER", (2,), F, None), ((1, 2), W4, "ALLREDUCE", (8,), F, None)])),
+     _run(4, [((0, 3), D4, "ALLREDUCE", (8,), F, None), ((1, 2), D4, "ALLGATHER", (2,), F, None),
+              ((0, 3), D4, "ALLGATHER", (2,), F, None), ((1, 2), D4, "ALLREDUCE", (8,), F, None)])),
+    ("rank 2 swaps a broadcast and an all-reduce with blocking calls: it hangs at the first, "
+     "with no record at seq + 1 (op, not order)",
+     _stuck(_run(3, [((0, 1, 2), D3, "ALLREDUCE", (4,), F, None),
+                     ((0, 1), D3, "ALLREDUCE", (4,), F, None),
+                     ((2,), D3, "BROADCAST", (4,), F, None)]))),
+    ("rank 3 swaps two calls and rank 2 stopped after seq 0: the reference call at seq + 1 is "
+     "the most common among the members that made one",
+     _run(4, [((0, 1, 2), D4, "ALLREDUCE", (4,), F, None), ((3,), D4, "ALLGATHER", (2,), F, None),
+              ((0, 1), D4, "ALLGATHER", (2,), F, None), ((3,), D4, "ALLREDUCE", (4,), F, None)])),
     ("two ranks disagree with two others: the lowest rank's call is the reference",
-     _stuck(_run(4, [((0, 1), W4, "ALLREDUCE", (4,), F, None),
-                     ((2, 3), W4, "ALLREDUCE", (5,), F, None)]))),
+     _stuck(_run(4, [((0, 1), D4, "ALLREDUCE", (4,), F, None),
+                     ((2, 3), D4, "ALLREDUCE", (5,), F, None)]))),
     ("a receive that was never sent",
-     _stuck(_run(3, [((0, 1, 2), W3, "ALLREDUCE", (4,), F, None),
-                     ((1,), W3, "RECV", (3,), F, 2)]))),
+     _stuck(_run(3, [((0, 1, 2), D3, "ALLREDUCE", (4,), F, None),
+                     ((1,), D3, "RECV", (3,), F, 2)]))),
     ("a send and its receive of different shapes",
-     _run(2, [((0,), "0,1", "SEND", (3,), F, 1), ((1,), "0,1", "RECV", (4,), F, 0)])),
-    ("two groups diverge: the smaller seq is first",
-     _stuck(_run(4, [((0, 1, 2, 3), W4, "ALLREDUCE", (4,), F, None),
-                     ((0, 1, 2, 3), W4, "ALLREDUCE", (4,), F, None),
-                     ((2,), "2,3", "ALLREDUCE", (2,), F, None),
-                     ((0, 1, 2), W4, "BROADCAST", (4,), F, None)]))),
+     _run(2, [((0,), ("0", [0, 1]), "SEND", (3,), F, 1),
+              ((1,), ("0", [0, 1]), "RECV", (4,), F, 0)])),
+    ("rank 3 never joins two groups: neither waits on the other, the smaller seq is first",
+     _stuck(_run(4, [((0, 1, 2, 3), D4, "ALLREDUCE", (4,), F, None),
+                     ((0, 1, 2, 3), D4, "ALLREDUCE", (4,), F, None),
+                     ((2,), P23, "ALLREDUCE", (2,), F, None),
+                     ((0, 1, 2), D4, "BROADCAST", (4,), F, None)]))),
     ("a shape at seq 0 on rank 2 comes before rank 0's missing call at seq 1",
-     _stuck(_run(3, [((0, 1), W3, "ALLREDUCE", (4,), F, None),
-                     ((2,), W3, "ALLREDUCE", (5,), F, None),
-                     ((1, 2), W3, "ALLREDUCE", (4,), F, None)]))),
-    ("two groups diverge at the same seq: the group's string decides",
-     _stuck(_run(4, [((0, 1), "0,1", "ALLREDUCE", (4,), F, None),
-                     ((2, 3), "2,3", "ALLREDUCE", (4,), F, None),
-                     ((0,), "0,1", "ALLREDUCE", (4,), F, None),
-                     ((3,), "2,3", "ALLREDUCE", (4,), F, None)]))),
+     _stuck(_run(3, [((0, 1), D3, "ALLREDUCE", (4,), F, None),
+                     ((2,), D3, "ALLREDUCE", (5,), F, None),
+                     ((1, 2), D3, "ALLREDUCE", (4,), F, None)]))),
+    ("two groups diverge at the same seq, neither waiting on the other: the smaller members "
+     "list is first (not the smaller name)",
+     _stuck(_run(4, [((0, 1), ("2", [0, 1]), "ALLREDUCE", (4,), F, None),
+                     ((2, 3), ("1", [2, 3]), "ALLREDUCE", (4,), F, None),
+                     ((0,), ("2", [0, 1]), "ALLREDUCE", (4,), F, None),
+                     ((3,), ("1", [2, 3]), "ALLREDUCE", (4,), F, None)]))),
+    ("lesson 17's hang: pairs [0, 1] and [2, 3], two all-reduces per pair per step, rank 3 "
+     "stuck in compute at step 1: the divergence on the default group waits on the pair's",
+     _tensor_parallel_pairs_stuck()),
+    ("a cycle of waits across three groups of two ranks (blocking calls: rank 0 waits for rank "
+     "1 on one, rank 1 for rank 2 on the next, rank 2 for rank 0 on the last): the smallest of "
+     "all, by seq then members",
+     _stuck(_run(3, [((0, 1), ("1", [0, 1]), "ALLREDUCE", (4,), F, None),
+                     ((1, 2), ("2", [1, 2]), "ALLREDUCE", (4,), F, None),
+                     ((0, 2), ("3", [0, 2]), "ALLREDUCE", (4,), F, None),
+                     ((0,), ("1", [0, 1]), "ALLREDUCE", (4,), F, None),
+                     ((1,), ("2", [1, 2]), "ALLREDUCE", (4,), F, None),
+                     ((2,), ("3", [0, 2]), "ALLREDUCE", (4,), F, None)]))),
+    ("two groups of the same ranks entered in opposite orders by blocking calls (a deadlock): "
+     "the same seq and members, Python's order of the names decides",
+     _stuck(_run(2, [((0,), ("9", [0, 1]), "ALLREDUCE", (4,), F, None),
+                     ((1,), ("10", [0, 1]), "ALLREDUCE", (4,), F, None)]))),
 ]
 
 
 def _bad():
-    ok = lambda: _run(2, [((0, 1), "0,1", "ALLREDUCE", (4,), F, None)])  # noqa: E731
+    ok = lambda: _run(2, [((0, 1), ("0", [0, 1]), "ALLREDUCE", (4,), F, None)])  # noqa: E731
     cases = []
 
     def case(why, change):
@@ -107,13 +165,28 @@ def _bad():
         change(traces)
         cases.append((why, traces))
 
+    def both(**fields):
+        return lambda t: [t[r][0].update(fields) for r in (0, 1)]
+
     case("an unknown op", lambda t: t[1][0].update(op="ALLREDUCE_SOMETIMES"))
     case("seqs that skip one (ragged)", lambda t: t[0][0].update(seq=1))
     case("a seq repeated", lambda t: t[0].append(dict(t[0][0])))
     case("an entry without its dtype", lambda t: t[0][0].pop("dtype"))
-    case("a rank's entry on a group it is not in", lambda t: t[1][0].update(group="0,2"))
+    case("an entry without its members (the old seven keys)", lambda t: t[0][0].pop("members"))
+    case("a rank's entry on a group it is not in",
+         lambda t: t[1][0].update(group="1", members=[0]))
     case("a send without a peer", lambda t: t[0][0].update(op="SEND"))
     case("a trace that is not a list", lambda t: t.__setitem__(1, "rank 1 hung"))
+    case("a group name that is not a string", both(group=0))
+    case("an empty group name", both(group=""))
+    case("members as a comma-joined string", both(members="0,1"))
+    case("members not sorted", both(members=[1, 0]))
+    case("a member repeated", both(members=[0, 1, 1]))
+    case("a member that is not a rank of the run", both(members=[0, 1, 2]))
+    case("members that are not ints", both(members=[0.0, 1.0]))
+    case("one group with other members on another rank", lambda t: t[1][0].update(members=[1]))
+    case("one group with other members on the same rank",
+         lambda t: t[0].append(dict(t[0][0], seq=1, members=[0])))
     cases.append(("traces that are not a list", "0,1: ALLREDUCE"))
     return cases
 
