@@ -8,8 +8,8 @@ Planted bugs (one grading, with the key; different functions): a diagnosis that 
 (the smallest seq across groups, the rule the text had before) (diagnose's fixed, hidden and
 recorded checks; its ValueError point kept), a save
 written in place instead of to a temporary file and committed (both kill checks; the round trip
-kept), a restart that does not restore the RNG state (train_resumable's bitwise and
-across-world-size checks; the samples read are right), and an async save that aliases the live
+kept), a restart that does not restore the noise generator's state (train_resumable's bitwise
+and across-world-size checks; the samples read are right), and an async save that aliases the live
 tensors instead of staging a copy (its correctness check; its speed check is not run with
 ``--speed skip``); train_resumable and async_save run with the submission's own
 save_checkpoint, whose bug costs them nothing more here. Two more gradings: a save_checkpoint
@@ -18,7 +18,10 @@ it too), then, speed measured, a restart of train_resumable that deadlocks (one 
 no process left, diagnose keeps its points) and an async save that waits for its own writer
 (the speed point). A third,
 ``--only train_resumable``: a sampler that restarts at the epoch's start after a restart (all
-three of its checks). A fourth, ``--only save_checkpoint,load_latest``: a save that never
+three of its checks); two more: what the text leaves free (a strided split of the batches,
+torch's global generator seeded before and after ``model_fn()``) keeps 6/6, and the noise drawn
+from torch's global generator instead of the text's loses exactly the across-world-size check.
+A fourth, ``--only save_checkpoint,load_latest``: a save that never
 commits (the round trip and both kill checks, each naming what it expected).
 
 Tier: both: reference full marks (speed measured, and without the key), stub zero and the
@@ -71,17 +74,27 @@ ALIAS_BUG = {"async_save": ("""    staged = {key: value.detach().clone() if isin
 #: an "asynchronous" save that waits for its own writer
 BLOCKING_BUG = {"async_save": ("    thread.start()\n    return pending",
                                "    thread.start()\n    thread.join()\n    return pending")}
-#: a restart without the RNG state: the noise of the steps after it is drawn anew
-RNG_BUG = {"train_resumable": ('        torch.set_rng_state(state["rng"])\n',
-                               "        pass  # the noise generator goes on where it is\n")}
+#: a restart without the noise generator's state: it starts again from the seed
+RNG_BUG = {"train_resumable": ('        noise_rng.set_state(state["noise_rng"])\n',
+                               "        pass  # the noise generator starts again\n")}
 #: after a restart, the data starts again at the epoch's first batch
 SAMPLER_BUG = {"train_resumable": (
-    "        epoch, position = divmod(step, per_epoch)\n",
-    "        epoch, position = step // per_epoch, (step - start) % per_epoch\n")}
+    "        epoch, k = divmod(step, per_epoch)",
+    "        epoch, k = step // per_epoch, (step - start) % per_epoch")}
+#: the noise drawn from torch's global generator, seeded before model_fn() (which draws from
+#: it): other noise than the text's generator gives, restored exactly after a restart
+GLOBAL_NOISE = {"train_resumable": ("    noise_rng = torch.Generator().manual_seed(seed)\n",
+                                    "    noise_rng = torch.manual_seed(seed)  # the global one\n")}
+#: what the text leaves free: a strided split of each batch among the ranks, and torch's global
+#: generator seeded before and after model_fn()
+STRIDED = {"train_resumable": ("    mine = slice(rank * share, (rank + 1) * share)",
+                               "    mine = slice(rank, batch_size, world)")}
+SEEDED_AROUND = {"train_resumable": ("    model = model_fn()\n", "    torch.manual_seed(seed + 1)\n"
+                                     "    model = model_fn()\n    torch.manual_seed(12345)\n")}
 #: a restart that deadlocks: every rank waits for a mark nobody writes, deaf to SIGTERM (no
 #: collective is pending, so no group timeout ends it: only the launcher's)
-DEADLOCK = {"train_resumable": ('        torch.set_rng_state(state["rng"])\n', """\
-        torch.set_rng_state(state["rng"])
+DEADLOCK = {"train_resumable": ('        noise_rng.set_state(state["noise_rng"])\n', """\
+        noise_rng.set_state(state["noise_rng"])
         import os, signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         while not os.path.exists(os.path.join(directory, f"checked-{start}")):
@@ -149,7 +162,7 @@ def test_planted_bugs_lose_exactly_their_checks(offline_env, tmp_path):
         "diagnose_planted_faults_recorded_on_gloo"], failed  # lesson 17's hang
     for name in ("each_file_system_call", "random_moments"):
         assert "load_latest" in failed[f"checkpoint_survives_kills_at_{name}"], failed
-    assert "the uninterrupted run had" in failed[
+    assert "the uninterrupted run on as many ranks had" in failed[
         "train_resumable_matches_an_uninterrupted_run_on_one_world_size_bitwise"], failed
 
 
@@ -217,7 +230,7 @@ def test_a_hang_a_deadlocked_restart_and_a_blocking_async_save(offline_env, tmp_
 @pytest.mark.slow
 def test_a_sampler_that_restarts_at_the_epochs_start(offline_env, tmp_path):
     """After a restart the data start again at the epoch's first batch: every train_resumable
-    check fails, and the sample check names the samples read and the stated order."""
+    check fails, and the sample check names the samples read and the text's global_batch."""
     report = grade(planted_copy(SOURCE, tmp_path, "sampler", SAMPLER_BUG), "--only",
                    "train_resumable", "--speed", "skip", env=offline_env)
     print(report["stdout"])
@@ -226,8 +239,34 @@ def test_a_sampler_that_restarts_at_the_epochs_start(offline_env, tmp_path):
     assert {r["function"] for r in results.values()} == {"train_resumable"}, results
     assert len(results) == 3 and all(r["status"] == "failed" and r["points"] == 0
                                      for r in results.values()), report["stdout"]
-    assert "the stated order gives" in results[
+    assert "global_batch(" in results[
         "train_resumable_reads_each_sample_once_in_the_stated_order"]["message"]
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_what_the_text_leaves_free_keeps_full_marks_and_the_global_generator_does_not(
+        offline_env, tmp_path):
+    """Two gradings ``--only train_resumable``. Each batch split among the ranks strided
+    (rank r reads rows r, r + W, ...), with torch's global generator seeded before and after
+    model_fn(): 6/6. The noise drawn from torch's global generator seeded before model_fn()
+    (which seeds it again and draws the weights from it), its state saved and restored: the
+    text says the noise comes from torch.Generator().manual_seed(seed), so the noise differs
+    from one process's (that check fails, naming the generator), while a restart on as many
+    ranks is still bitwise and every step still reads its batch (those 4 points kept)."""
+    report = grade(planted_copy(SOURCE, tmp_path, "free", STRIDED, SEEDED_AROUND), "--only",
+                   "train_resumable", "--speed", "skip", env=offline_env)
+    print(report["stdout"])
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    assert points_by_function(report) == {"train_resumable": 6}, report["stdout"]
+    report = grade(planted_copy(SOURCE, tmp_path, "global", GLOBAL_NOISE), "--only",
+                   "train_resumable", "--speed", "skip", env=offline_env)
+    print(report["stdout"])
+    assert_only_these_checks_fail(
+        report, {"train_resumable_across_world_sizes_matches_one_process"})
+    assert len(report["results"]) == 3, report["stdout"]
+    (failed,) = [r["message"] for r in report["results"] if r["status"] == "failed"]
+    assert "torch.Generator().manual_seed(seed)" in failed, failed
 
 
 @pytest.mark.full
@@ -246,6 +285,31 @@ def test_a_save_that_never_commits(offline_env, tmp_path):
 
 
 # ---------------------------------------------------------------------------- the grader's parts
+
+def test_part_3_text_states_the_graders_global_batch_and_tolerance():
+    """The ``global_batch`` that Part 3's text gives in full is the grader's (copied by a
+    student, it reads what the sample check expects), and the text's ulps are the check's."""
+    import re
+
+    import nbformat
+    import torch
+
+    (text,) = [c.source for c in nbformat.read(RELEASE, as_version=4).cells
+               if c.cell_type == "markdown" and c.source.startswith("## Part 3")]
+    (code,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    ns = {"torch": torch}
+    exec(code, ns)
+    for seed in (0, 1, 286972012):
+        for n, batch in ((24, 6), (12, 4), (10, 10)):
+            for step in range(3 * n // batch + 1):
+                assert ns["global_batch"](seed, step, n, batch) == E.global_batch(
+                    seed, step, n, batch), (seed, n, batch, step)
+    checks = (REPO / "autograder" / "assignments" / "a9_resilience" / "checks.py").read_text()
+    (ulps,) = re.findall(r"^ULPS = (\d+)$", checks, re.M)
+    assert f"within {ulps} ulps of max(1, |value|)" in " ".join(text.split())
+    assert "noise_rng = torch.Generator().manual_seed(seed)" in text
+
+
 
 def test_public_cases_json_is_the_keys():
     """public_cases.json is what the key's public_cases() gives (write it again with ``python

@@ -19,8 +19,9 @@ Deliberately other choices than a typical solution's:
   system); ``load_latest`` walks the committed folders with ``os.scandir``, ignores
   everything else, and copies into the state's tensors in place where shapes and dtypes agree;
 - ``train_resumable`` uses ``torch.optim.SGD(momentum=0.9)`` (whose momentum buffer is the
-  text's velocity), a small class for the global batch order, ``backward`` instead of
-  ``autograd.grad``, and one all-reduce of all gradients flattened into one vector;
+  text's velocity), ``backward`` instead of ``autograd.grad``, strided shares of each batch
+  (rank r reads rows r, r + W, ...), one all-reduce of all gradients and the loss flattened
+  into one vector, and the last rank saves, with no barrier (every rank holds the same state);
 - ``async_save`` stages with ``.to("cpu", copy=True)`` and ``copy.deepcopy`` and hands the
   write to a one-thread ``concurrent.futures`` executor; ``wait()`` is the future's ``result()``.
 '''
@@ -266,20 +267,11 @@ def load_latest(directory, state):
     return index["step"]
 ''',
     "train_resumable": '''\
-class _GlobalOrder:
-    """The global batches of the text, and this rank's share of one."""
-
-    def __init__(self, n, batch_size, seed, rank, world):
-        self.n, self.batch_size, self.seed = n, batch_size, seed
-        self.lo = rank * (batch_size // world)
-        self.hi = self.lo + batch_size // world
-
-    def ids(self, step):
-        epoch, k = divmod(step, self.n // self.batch_size)
-        g = torch.Generator()
-        g.manual_seed(self.seed + epoch)
-        order = torch.randperm(self.n, generator=g)
-        return order[k * self.batch_size:(k + 1) * self.batch_size][self.lo:self.hi]
+def global_batch(seed, step, n, batch_size):
+    """The sample ids of global batch `step`: each epoch reads a permutation seeded by it."""
+    epoch, k = divmod(step, n // batch_size)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    return perm[k * batch_size:(k + 1) * batch_size].tolist()
 
 
 def train_resumable(model_fn, dataset, *, steps, batch_size, lr, checkpoint_every, directory,
@@ -287,50 +279,48 @@ def train_resumable(model_fn, dataset, *, steps, batch_size, lr, checkpoint_ever
     """Data-parallel momentum SGD that resumes exactly from its latest checkpoint."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = model_fn()
+    noise_rng = torch.Generator().manual_seed(seed)
     names = [n for n, _ in model.named_parameters()]
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, foreach=False)
-
-    def velocities():
-        return [opt.state[p].get("momentum_buffer") if p in opt.state else None
-                for p in model.parameters()]
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=False)
 
     def to_state():
-        out = {"rng": torch.get_rng_state()}
-        for n, p, v in zip(names, model.parameters(), velocities()):
-            out["param." + n] = p.detach().clone()
-            out["velocity." + n] = torch.zeros_like(p) if v is None else v.clone()
+        # what the steps after this one depend on: weights, velocities, the noise generator
+        out = {"noise": noise_rng.get_state()}
+        for n, p in zip(names, params):
+            buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
+            out["w:" + n] = p.detach().clone()
+            out["v:" + n] = torch.zeros_like(p) if buf is None else buf.clone()
         return out
 
     restored = to_state()
     first = load_latest(directory, restored)
     if first is None:
         first = 0
-        torch.manual_seed(seed)
     else:
         with torch.no_grad():
-            for n, p in zip(names, model.parameters()):
-                p.copy_(restored["param." + n])
-                opt.state[p]["momentum_buffer"] = restored["velocity." + n].clone()
-        torch.set_rng_state(restored["rng"])
-    order = _GlobalOrder(len(dataset), batch_size, seed, rank, world)
+            for n, p in zip(names, params):
+                p.copy_(restored["w:" + n])
+                opt.state[p]["momentum_buffer"] = restored["v:" + n].clone()
+        noise_rng.set_state(restored["noise"])
+    rows = slice(rank, batch_size, world)          # strided: rows rank, rank + W, ...
     for step in range(first, steps):
-        xs, ys = zip(*(dataset[int(i)] for i in order.ids(step)))
+        ids = global_batch(seed, step, len(dataset), batch_size)
+        xs, ys = zip(*(dataset[i] for i in ids[rows]))
         x, y = torch.stack(xs), torch.stack(ys)
-        noise = 0.01 * torch.randn(batch_size, *x.shape[1:], dtype=torch.float64)
+        noise = 0.01 * torch.randn(batch_size, *x.shape[1:], generator=noise_rng,
+                                   dtype=torch.float64)
         opt.zero_grad(set_to_none=True)
-        loss = ((model(x + noise[order.lo:order.hi]) - y) ** 2).sum() / batch_size
+        loss = ((model(x + noise[rows]) - y) ** 2).sum() / batch_size
         loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        dist.all_reduce(flat)
-        torch.nn.utils.vector_to_parameters(flat, [p.grad for p in model.parameters()])
-        summed = loss.detach().clone()
-        dist.all_reduce(summed)
+        flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
+        dist.all_reduce(flat)                      # every gradient and the loss, one call
+        torch.nn.utils.vector_to_parameters(flat[:-1], [p.grad for p in params])
         opt.step()
-        log(step, float(summed))
-        if (step + 1) % checkpoint_every == 0:
-            if rank == 0:
-                save_checkpoint(directory, to_state(), step + 1)
-            dist.barrier()
+        log(step, flat[-1].item())
+        # every rank holds the same state: the last one saves, nobody waits for it
+        if (step + 1) % checkpoint_every == 0 and rank == world - 1:
+            save_checkpoint(directory, to_state(), step + 1)
     return model.state_dict()
 ''',
     "async_save": '''\

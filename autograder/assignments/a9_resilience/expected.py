@@ -217,33 +217,38 @@ def blank_state(numel: int = 1000) -> dict:
 
 # ---------------------------------------------------------------------------- train_resumable
 
+def global_batch(seed: int, step: int, n: int, batch_size: int) -> list[int]:
+    """The sample ids of global batch ``step``: the text's definition, word for word (each
+    epoch reads a permutation of ``range(n)`` seeded by ``seed + epoch``)."""
+    epoch, k = divmod(step, n // batch_size)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    return perm[k * batch_size:(k + 1) * batch_size].tolist()
+
+
 def batch_ids(seed: int, step: int) -> list[int]:
-    """The global batch of ``step`` as the text states it: epoch ``e`` = step // (N // B) reads
-    ``torch.randperm(N, generator=torch.Generator().manual_seed(seed + e))`` in order."""
+    """The global batch of ``step`` in the grader's job."""
     from . import ranks as R
 
-    per_epoch = R.SAMPLES // R.BATCH
-    epoch, position = divmod(step, per_epoch)
-    perm = torch.randperm(R.SAMPLES, generator=torch.Generator().manual_seed(seed + epoch))
-    return perm[position * R.BATCH:(position + 1) * R.BATCH].tolist()
+    return global_batch(seed, step, R.SAMPLES, R.BATCH)
 
 
 @functools.lru_cache(maxsize=4)
 def one_process_training(seed: int):
-    """``(losses, state)``: one process, the whole global batch each step, float64; the noise
-    from a generator seeded with ``seed`` (what ``torch.manual_seed(seed)`` gives), momentum
-    SGD as the text states it."""
+    """``(losses, state)``: the text's computation, one process on the whole global batch,
+    float64: ``global_batch``'s ids, the noise drawn once a step for the whole batch from
+    ``torch.Generator().manual_seed(seed)``, momentum SGD. Torch's global generator plays no
+    part (the grader's model seeds it itself)."""
     from . import ranks as R
 
     model = R.grader_model(seed)
     x, y = R.samples(seed)
-    g = torch.Generator().manual_seed(seed)
+    noise_rng = torch.Generator().manual_seed(seed)
     params = dict(model.named_parameters())
     velocity = {n: torch.zeros_like(p) for n, p in params.items()}
     losses = []
     for step in range(R.STEPS):
         ids = torch.tensor(batch_ids(seed, step))
-        noise = 0.01 * torch.randn(R.BATCH, R.D_IN, generator=g, dtype=torch.float64)
+        noise = 0.01 * torch.randn(R.BATCH, R.D_IN, generator=noise_rng, dtype=torch.float64)
         loss = ((model(x[ids] + noise) - y[ids]) ** 2).sum() / R.BATCH
         grads = torch.autograd.grad(loss, list(params.values()))
         losses.append(loss.item())
