@@ -9,7 +9,7 @@ import torch
 from autograder.checking.probes import plain
 
 from . import expected as E
-from .saving import KILL_CALLS, made
+from .saving import KILL_CALLS, MOST_FILES, made
 
 TAMPERED = "the reply was tampered with"
 
@@ -149,7 +149,7 @@ def _listing(desc, where):
         isinstance(p, str) and isinstance(f, list) and len(f) == 4
         and all(type(x) is int for x in f[:3]) and isinstance(f[3], str)
         for p, f in desc.items()), TAMPERED
-    assert "" not in desc, f"the checkpoint folder holds more than 500 files {where}"
+    assert "" not in desc, f"the checkpoint folder holds more than {MOST_FILES} files {where}"
     return desc
 
 

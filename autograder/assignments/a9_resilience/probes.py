@@ -200,14 +200,14 @@ HOLD = 2.0
 OPENS = (("builtins", "open"), ("io", "open"), ("os", "open"))
 
 
-def _hold_after_open(held, released):
+def _hold_after_open(held, released, armed):
     """Hold the first thread but the main one that returns from a call of :data:`OPENS` until
-    ``released`` is set, at most :data:`HOLD` s (``held`` is set meanwhile); returns the
-    undo."""
+    ``released`` is set, at most :data:`HOLD` s (``held`` is set meanwhile), while ``armed``
+    (a list: ``armed[0]``) is true; returns the undo."""
     import importlib
     import threading
 
-    saved, lock, armed = [], threading.Lock(), [True]
+    saved, lock = [], threading.Lock()
     for module_name, attr in OPENS:
         module = importlib.import_module(module_name)
         original = getattr(module, attr)
@@ -247,13 +247,14 @@ def probe_async_overlap(ns, seed, numel):
     fn = student_function(ns, SPEC.function("async_save"))
     load = student_function(ns, SPEC.function("load_latest"))
     root = tempfile.mkdtemp(prefix="a9-overlap-")
-    held, released, errors = threading.Event(), threading.Event(), {}
+    held, released, errors, armed = threading.Event(), threading.Event(), {}, [True]
     try:
         d = os.path.join(root, "run")
-        undo = _hold_after_open(held, released)
+        undo = _hold_after_open(held, released, armed)
         try:
             first = fn(d, E.checkpoint_state(2, seed, numel), 2)
             was_held = held.wait(HOLD)
+            armed[0] = False  # no more holds: one was, or no file was opened within HOLD s
             second = fn(d, E.checkpoint_state(3, seed, numel), 3)
             for handle in (first, second):
                 if not callable(getattr(handle, "wait", None)):

@@ -36,7 +36,7 @@ KEEP_KILLED = 1
 #: The first calls of a save killed before and after (the released text says how many).
 KILL_CALLS = 20
 #: At most this many files are listed in a checkpoint folder (more: the listing says so).
-MOST_FILES = 500
+MOST_FILES = 10_000
 
 
 def snapshot(state) -> dict:
