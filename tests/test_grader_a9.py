@@ -7,9 +7,10 @@ recorded on gloo give the diagnoses the grader expects, the malformed traces are
 Planted bugs (one grading, with the key; different functions): a diagnosis that ignores the waits
 (the smallest seq across groups, the rule the text had before) (diagnose's fixed, hidden and
 recorded checks; its ValueError point kept), a save
-written in place instead of to a temporary file and committed (both kill checks; the round trip
-kept), a restart that does not restore the noise generator's state (train_resumable's bitwise
-and across-world-size checks; the samples read are right), and an async save that aliases the live
+that removes the older checkpoints before it writes the new one (both kill checks, which save
+with keep=1; the round trip and the check of keep kept), a restart that does not restore the noise
+generator's state (train_resumable's bitwise and across-world-size checks; the samples read are
+right), and an async save that aliases the live
 tensors instead of staging a copy (its correctness check; its speed check is not run with
 ``--speed skip``); train_resumable and async_save run with the submission's own
 save_checkpoint, whose bug costs them nothing more here. Two more gradings: a save_checkpoint
@@ -22,7 +23,12 @@ three of its checks); two more: what the text leaves free (a strided split of th
 torch's global generator seeded before and after ``model_fn()``) keeps 6/6, and the noise drawn
 from torch's global generator instead of the text's loses exactly the across-world-size check.
 A fourth, ``--only save_checkpoint,load_latest``: a save that never
-commits (the round trip and both kill checks, each naming what it expected).
+commits (every checkpoint check, each naming what it expected). Three more of Part 2 and Part 4
+alone: lesson 17's atomic write pasted as save_checkpoint with a glob loader (only the check of
+keep and damage: what the lesson does not show), a save without fsync (only the kills at each
+file-system call, naming the file), an async save whose saves share one temporary name (its
+correctness check, with two saves pending). (A commit through a ``Path.touch()`` marker earns
+full marks in tests/independent/a9_resilience.py.)
 
 Tier: both: reference full marks (speed measured, and without the key), stub zero and the
 grader's parts without a grading are quick; the planted bugs, the hang and the recording are
@@ -36,11 +42,12 @@ import time
 import uuid
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from conftest import (REPO, assert_full_marks, assert_only_these_checks_fail,
                       assert_public_points_without_the_key, assert_stubs_score_zero, grade,
-                      planted_copy, points_by_function, processes_tagged)
+                      grade_id, planted_copy, points_by_function, processes_tagged)
 
 from autograder.assignments.a9_resilience import expected as E
 from autograder.assignments.a9_resilience import faults
@@ -56,9 +63,12 @@ BUGS = {
     # the waits ignored: the smallest seq across groups, which blames a victim
     "diagnose": ("    roots = [g for g in firsts if not waits(g)] or list(firsts)\n",
                  "    roots = list(firsts)\n"),
-    # written in place: a kill mid-write leaves a checkpoint that looks complete
-    "save_checkpoint": ('temporary = directory / f"incomplete-{step}-{os.getpid()}.tmp"',
-                        'temporary = directory / f"checkpoint-{step:012d}.pt"'),
+    # the older checkpoints removed before the new one is written: a kill leaves none
+    "save_checkpoint": ("    directory.mkdir(parents=True, exist_ok=True)\n", """\
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in sorted(directory.glob("checkpoint-*.pt"))[:1 - keep or None]:
+        old.unlink()
+"""),
 }
 BUGS_FAIL = {"diagnose_fixed_cases", "diagnose_hidden_random_traces",
              "diagnose_planted_faults_recorded_on_gloo",
@@ -102,8 +112,48 @@ DEADLOCK = {"train_resumable": ('        noise_rng.set_state(state["noise_rng"])
 """)}
 #: written, flushed, never committed: nothing ever looks complete
 NEVER_COMMITS = {"save_checkpoint": (
-    '    os.replace(temporary, directory / f"checkpoint-{step:012d}.pt")   # the commit\n',
+    '    os.replace(temporary, directory / f"checkpoint-{step:012d}-{digest}.pt")   # the commit\n',
     "    pass  # the commit forgotten\n")}
+#: written and committed, never flushed
+NO_FSYNC = {"save_checkpoint": ("        f.flush()\n        os.fsync(f.fileno())\n",
+                                "        f.flush()\n")}
+#: every save writes to the same temporary name: two pending saves write into one file
+SHARED_TEMPORARY = {"save_checkpoint": (
+    'temporary = directory / f"incomplete-{step}-{uuid.uuid4().hex}.tmp"',
+    'temporary = directory / "incomplete.tmp"')}
+#: lesson 17 cell 17's write_both, its atomic half, pasted as save_checkpoint (files named by
+#: step), with a glob loader: what the lesson shows earns less than Part 2's 5 points
+LESSON_SAVE = """\
+import io
+
+
+def save_checkpoint(directory, state, step, keep=2):
+    path = Path(directory) / f"step-{step:09d}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save({"step": step, "state": state}, buffer)
+    data, chunk = buffer.getvalue(), 64 * 1024
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "wb") as atomic:
+        for start in range(0, len(data), chunk):
+            atomic.write(data[start:start + chunk])
+            atomic.flush()
+        atomic.flush()
+        os.fsync(atomic.fileno())                            # the bytes are on the disk ...
+    os.replace(temporary, path)                              # ... before the name points at them
+    directory = os.open(path.parent, os.O_RDONLY)
+    os.fsync(directory)                                      # and the rename itself is durable
+    os.close(directory)
+"""
+GLOB_LOAD = """\
+def load_latest(directory, state):
+    done = sorted(Path(directory).glob("step-*.pt"))
+    if not done:
+        return None
+    saved = torch.load(done[-1], weights_only=False)
+    state.update(saved["state"])
+    return saved["step"]
+"""
 #: a save that never returns, and leaves a process that ignores SIGTERM behind
 HANG = {"save_checkpoint": ("    directory = Path(directory)\n    directory.mkdir", """\
     import subprocess, sys, time
@@ -272,8 +322,8 @@ def test_what_the_text_leaves_free_keeps_full_marks_and_the_global_generator_doe
 @pytest.mark.full
 @pytest.mark.slow
 def test_a_save_that_never_commits(offline_env, tmp_path):
-    """The temporary file written and flushed, never renamed: the round trip and both kill
-    checks fail (load_latest finds nothing to load), each saying what it expected."""
+    """The temporary file written and flushed, never renamed: every checkpoint check fails
+    (load_latest finds nothing to load), each saying what it expected."""
     report = grade(planted_copy(SOURCE, tmp_path, "commit", NEVER_COMMITS), "--only",
                    "save_checkpoint,load_latest", "--speed", "skip", env=offline_env)
     print(report["stdout"])
@@ -282,6 +332,50 @@ def test_a_save_that_never_commits(offline_env, tmp_path):
         report["stdout"]
     for r in report["results"]:
         assert r["status"] == "failed" and "None" in r["message"], r
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_the_lessons_atomic_write_earns_less_than_part_2(offline_env, tmp_path):
+    """Lesson 17's write-then-rename, files named by step, a loader that takes the last by
+    name: every kill survived, the commit found, every file flushed; it keeps every checkpoint
+    and would load a damaged one, so the check of keep and damage fails (4 of 5 points)."""
+    nb = nbformat.read(SOURCE, as_version=4)
+    for cell in nb.cells:
+        if grade_id(cell) in ("save_checkpoint", "load_latest") and cell.cell_type == "code":
+            cell.source = LESSON_SAVE if grade_id(cell) == "save_checkpoint" else GLOB_LOAD
+    path = tmp_path / "lesson.ipynb"
+    nbformat.write(nb, path)
+    report = grade(path, "--only", "save_checkpoint,load_latest", "--speed", "skip",
+                   env=offline_env)
+    print(report["stdout"])
+    assert_only_these_checks_fail(report, {"checkpoint_keeps_the_last_k_and_skips_a_damaged_one"})
+    assert report["score"] == 4, report["stdout"]
+    failed = next(r for r in report["results"] if r["status"] == "failed")
+    assert "expected less than 3 times" in failed["message"], failed
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_a_save_without_fsync_and_saves_sharing_a_temporary_name(offline_env, tmp_path):
+    """Two gradings. The reference without its file's fsync: only the kills at each
+    file-system call fail, naming the file not flushed. Every save writing to one temporary
+    name: Part 2's checks pass (one save at a time), async_save's correctness fails with two
+    saves pending (the first save's rename finds its file gone: deterministic)."""
+    report = grade(planted_copy(SOURCE, tmp_path, "fsync", NO_FSYNC), "--only",
+                   "save_checkpoint,load_latest", "--speed", "skip", env=offline_env)
+    print(report["stdout"])
+    assert_only_these_checks_fail(report, {"checkpoint_survives_kills_at_each_file_system_call"})
+    failed = next(r for r in report["results"] if r["status"] == "failed")
+    assert "without flushing 'checkpoint-000000000002-" in failed["message"], failed
+
+    report = grade(planted_copy(SOURCE, tmp_path, "shared", SHARED_TEMPORARY), "--only",
+                   "save_checkpoint,load_latest,async_save", "--speed", "skip", env=offline_env)
+    print(report["stdout"])
+    assert_only_these_checks_fail(report, {"async_save_holds_the_state_of_its_step"})
+    failed = next(r for r in report["results"] if r["status"] == "failed")
+    assert "wait() of the first async_save (step 2) raised FileNotFoundError" in failed[
+        "message"], failed
 
 
 # ---------------------------------------------------------------------------- the grader's parts

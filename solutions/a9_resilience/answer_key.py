@@ -1,9 +1,9 @@
 """Assignment 9's answer key: the instructor's only (``solutions/`` never ships; see
 :mod:`autograder.keys`).
 
-The reference ``diagnose``, ``save_checkpoint`` and ``load_latest``, written from the released
-text; the generator of the hidden random traces (a clean run of random calls on random groups,
-then one planted fault) whose expected values need the reference. The public fixed cases and
+The reference ``diagnose``, ``save_checkpoint``, ``load_latest`` and ``async_save``, written
+from the released text; the generator of the hidden random traces (a clean run of random calls
+on random groups, then one planted fault) whose expected values need the reference. The public fixed cases and
 their expected values are :func:`public_cases`, stored as data in
 ``autograder/assignments/a9_resilience/public_cases.json`` (regenerate it with ``python
 solutions/a9_resilience/answer_key.py``; a test keeps the two equal).
@@ -13,9 +13,13 @@ Imported only in the grader's own process (checks.py), never in the sandbox.
 from __future__ import annotations
 
 import copy
+import hashlib
+import io
 import json
 import os
 import random
+import threading
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -177,32 +181,65 @@ def diagnose(traces):
 
 # ---------------------------------------------------------------------------- checkpoints
 
-def save_checkpoint(directory, state, step):
+def save_checkpoint(directory, state, step, keep=2):
+    """One file a checkpoint, named by its step and the sha256 of its bytes; written under a
+    name no other save uses, flushed, committed by os.replace; then the older ones removed."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".tmp-{step}-{os.getpid()}"
+    buffer = io.BytesIO()
+    torch.save({"step": step, "state": state}, buffer)
+    data = buffer.getvalue()
+    tmp = directory / f".tmp-{step}-{uuid.uuid4().hex}"
     with open(tmp, "wb") as f:
-        torch.save({"step": step, "state": state}, f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, directory / f"step-{step:09d}.pt")
+    os.replace(tmp, directory / f"step-{step:012d}-{hashlib.sha256(data).hexdigest()}.pt")
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+    for old in sorted(directory.glob("step-*.pt"))[:-keep]:
+        old.unlink(missing_ok=True)
 
 
 def load_latest(directory, state):
     directory = Path(directory)
-    if not directory.is_dir():
-        return None
-    done = sorted(directory.glob("step-*.pt"))
-    if not done:
-        return None
-    saved = torch.load(done[-1], weights_only=False)
-    state.update(saved["state"])
-    return saved["step"]
+    for path in sorted(directory.glob("step-*.pt"), reverse=True) if directory.is_dir() else []:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            continue
+        if hashlib.sha256(data).hexdigest() == path.stem.rsplit("-", 1)[-1]:
+            saved = torch.load(io.BytesIO(data), weights_only=False)
+            state.update(saved["state"])
+            return saved["step"]
+    return None
+
+
+def async_save(directory, state, step):
+    """A copy staged here; the save in a thread of its own (several may run at once: their
+    temporary names differ, and each removes only checkpoints older than its last ``keep``)."""
+    staged = {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+              for k, v in state.items()}
+    errors = []
+
+    def write():
+        try:
+            save_checkpoint(directory, staged, step)
+        except BaseException as exc:  # noqa: BLE001 - handed to wait()
+            errors.append(exc)
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+
+    class Pending:
+        def wait(self):
+            thread.join()
+            if errors:
+                raise errors[0]
+    return Pending()
 
 
 # ---------------------------------------------------------------------------- hidden cases

@@ -13,17 +13,19 @@ Deliberately other choices than a typical solution's:
   with ``sorted``; the reference call is chosen by sorting the calls by (-count, first rank);
   the waits are a map from each rank to the group whose divergence its last call is in, and the
   divergences that wait are a set;
-- a checkpoint is a *folder* (``step-<n>/`` holding one ``torch.save`` file per key, a JSON
-  index of the plain values): it is written under a temporary name with ``tempfile.mkdtemp``
-  and committed by renaming the folder (``os.rename``, atomic for a folder on one file
-  system); ``load_latest`` walks the committed folders with ``os.scandir``, ignores
-  everything else, and copies into the state's tensors in place where shapes and dtypes agree;
+- a checkpoint is a *folder* (``ckpt.<step>.<random>/``: one ``torch.save`` file per tensor,
+  written to its path by torch, a JSON manifest of the plain values and of each file's
+  blake2b, itself checksummed), committed by an empty marker file made by ``Path.touch()``
+  (through ``os.open``); the older ones go after the commit, marker first; ``load_latest``
+  walks the marked folders with ``os.scandir``, checks every byte before it changes the state,
+  and copies into the state's tensors in place where shapes and dtypes agree;
 - ``train_resumable`` uses ``torch.optim.SGD(momentum=0.9)`` (whose momentum buffer is the
   text's velocity), ``backward`` instead of ``autograd.grad``, strided shares of each batch
   (rank r reads rows r, r + W, ...), one all-reduce of all gradients and the loss flattened
   into one vector, and the last rank saves, with no barrier (every rank holds the same state);
 - ``async_save`` stages with ``.to("cpu", copy=True)`` and ``copy.deepcopy`` and hands the
-  write to a one-thread ``concurrent.futures`` executor; ``wait()`` is the future's ``result()``.
+  write to a one-thread ``concurrent.futures`` executor (pending saves commit one after the
+  other, in the order of the calls); ``wait()`` is the future's ``result()``.
 '''
 
 ANSWERS = {
@@ -198,11 +200,16 @@ def diagnose(traces):
     return {"group": first.group, "seq": first.seq, "kind": first.kind, "ranks": first.ranks}
 ''',
     "save_checkpoint": '''\
+import hashlib
+import io
 import json
-import tempfile
+import secrets
+import shutil
+
+_MARK = "COMMITTED"
 
 
-def _fsync_path(path):
+def _flush(path):
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -210,61 +217,101 @@ def _fsync_path(path):
         os.close(fd)
 
 
-def save_checkpoint(directory, state, step):
-    """Save state as step's checkpoint in directory: written, flushed, then committed."""
-    os.makedirs(directory, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".staging-", dir=directory)
-    plain = {}
-    for index, (key, value) in enumerate(state.items()):
-        if isinstance(value, torch.Tensor):
-            name = os.path.join(staging, f"tensor-{index}.pt")
-            with open(name, "wb") as f:
-                torch.save(value.detach().clone(), f)
-                f.flush()
-                os.fsync(f.fileno())
-            plain[key] = {"tensor": f"tensor-{index}.pt"}
-        else:
-            plain[key] = {"value": value}
-    with open(os.path.join(staging, "index.json"), "w") as f:
-        json.dump({"step": step, "entries": plain}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_path(staging)
-    final = os.path.join(directory, f"step-{step}")
-    os.rename(staging, final)           # a folder's rename is the commit
-    _fsync_path(directory)
-''',
-    "load_latest": '''\
-def load_latest(directory, state):
-    """Load the latest complete checkpoint of directory into state; its step, or None."""
+def _blake(data):
+    return hashlib.blake2b(data, digest_size=20).hexdigest()
+
+
+def _complete(directory):
+    """{step: folder} of the checkpoints whose marker exists (the last one of a step wins)."""
+    found = {}
     if not os.path.isdir(directory):
-        return None
-    steps = []
+        return found
     with os.scandir(directory) as entries:
         for entry in entries:
-            name = entry.name
-            if entry.is_dir() and name.startswith("step-") and name[5:].isdigit():
-                steps.append(int(name[5:]))
-    if not steps:
+            parts = entry.name.split(".")
+            if (len(parts) == 3 and parts[0] == "ckpt" and parts[1].isdigit()
+                    and os.path.exists(os.path.join(entry.path, _MARK))):
+                found[int(parts[1])] = entry.path
+    return found
+
+
+def save_checkpoint(directory, state, step, keep=2):
+    """Save state as step's checkpoint in directory: written, flushed, committed; keep the last keep."""
+    os.makedirs(directory, exist_ok=True)
+    folder = os.path.join(directory, f"ckpt.{step:010d}.{secrets.token_hex(6)}")
+    os.mkdir(folder)
+    entries = {}
+    for index, (key, value) in enumerate(state.items()):
+        if torch.is_tensor(value):
+            name = f"t{index}.pt"
+            target = os.path.join(folder, name)
+            torch.save(value.detach().cpu(), target)
+            _flush(target)
+            with open(target, "rb") as f:
+                entries[key] = {"file": name, "blake2b": _blake(f.read())}
+        else:
+            entries[key] = {"value": value}
+    body = json.dumps({"step": step, "entries": entries}, sort_keys=True)
+    manifest = json.dumps({"body": body, "blake2b": _blake(body.encode())})
+    with open(os.path.join(folder, "manifest.json"), "w") as f:
+        f.write(manifest)
+        f.flush()
+        os.fsync(f.fileno())
+    _flush(folder)
+    Path(folder, _MARK).touch()          # the commit: the marker exists, or it does not
+    _flush(folder)
+    _flush(directory)
+    complete = _complete(directory)
+    for old in sorted(complete)[:-keep]:
+        try:
+            os.unlink(os.path.join(complete[old], _MARK))   # no longer complete, then gone
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(complete[old], ignore_errors=True)
+''',
+    "load_latest": '''\
+def _read_checkpoint(folder):
+    """{key: value} and the step of an intact checkpoint folder, or None."""
+    try:
+        with open(os.path.join(folder, "manifest.json"), "rb") as f:
+            outer = json.loads(f.read().decode())
+        body = outer["body"]
+        if _blake(body.encode()) != outer["blake2b"]:
+            return None
+        inner = json.loads(body)
+        values = {}
+        for key, item in inner["entries"].items():
+            if "file" in item:
+                with open(os.path.join(folder, item["file"]), "rb") as f:
+                    data = f.read()
+                if _blake(data) != item["blake2b"]:
+                    return None
+                values[key] = torch.load(io.BytesIO(data), weights_only=True)
+            else:
+                values[key] = item["value"]
+        return inner["step"], values
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError):
         return None
-    best = os.path.join(directory, f"step-{max(steps)}")
-    with open(os.path.join(best, "index.json")) as f:
-        index = json.load(f)
-    loaded = {}
-    for key, item in index["entries"].items():
-        if "tensor" in item:
-            loaded[key] = torch.load(os.path.join(best, item["tensor"]), weights_only=True)
-        else:
-            loaded[key] = item["value"]
-    for key, value in loaded.items():
-        old = state.get(key)
-        if (isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor)
-                and old.shape == value.shape and old.dtype == value.dtype):
-            with torch.no_grad():
-                old.copy_(value)
-        else:
-            state[key] = value
-    return index["step"]
+
+
+def load_latest(directory, state):
+    """Load the latest complete, intact checkpoint of directory into state; its step, or None."""
+    complete = _complete(directory)
+    for step in sorted(complete, reverse=True):
+        found = _read_checkpoint(complete[step])
+        if found is None:
+            continue
+        saved_step, values = found
+        for key, value in values.items():      # only now: everything was checked
+            old = state.get(key)
+            if (torch.is_tensor(old) and torch.is_tensor(value) and old.shape == value.shape
+                    and old.dtype == value.dtype):
+                with torch.no_grad():
+                    old.copy_(value)
+            else:
+                state[key] = value
+        return saved_step
+    return None
 ''',
     "train_resumable": '''\
 def global_batch(seed, step, n, batch_size):
@@ -346,6 +393,7 @@ def _stage(value):
 def async_save(directory, state, step):
     """Stage state, then save it as step's checkpoint in the background; a handle with wait()."""
     frozen = {key: _stage(value) for key, value in state.items()}
+    # one writer thread: pending saves commit one after the other, in the order of the calls
     return _Saving(_WRITER.submit(save_checkpoint, directory, frozen, step))
 ''',
 }

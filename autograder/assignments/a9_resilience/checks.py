@@ -7,16 +7,19 @@ the expected diagnosis follows from the fault it planted) and, with the instruct
 background thread as this module is collected, in the grader's process, and is awaited by the
 check that needs it.
 
-``save_checkpoint``/``load_latest``: a round trip, then saves killed with SIGKILL before and
-after each file-system call, after seeded random delays, and cut off mid-write by a file-size
-limit. Every kill must leave the latest complete checkpoint loadable (step 1 or step 2, with
-exactly that step's values), and the next save must work.
+``save_checkpoint``/``load_latest`` (probes: :mod:`.saving`; judgements: :mod:`.judging`): a
+round trip; saves killed with SIGKILL before and after each file-system call (one of which
+must be the commit; the unkilled save must have flushed every file it leaves), after seeded
+random delays, and cut off mid-write by a file-size limit: every kill must leave the latest
+complete checkpoint loadable (step 1 or step 2, with exactly that step's values), and the next
+save must work; five saves with keep=2 (less than 3 checkpoints' bytes left), then the files of
+the newest saves damaged: never a crash, never other values than a step saved.
 
 ``train_resumable``: three jobs (uninterrupted; killed and restarted on as many ranks; killed,
 restarted on another number and killed again) run once and shared by its three checks: bitwise
 against the uninterrupted job, float64 against one process, and the samples each step read.
-``async_save``: its state changed right after the call while its writer is held; its speed
-counts only when that check passes, and is timed here, from round trips into the sandbox
+``async_save``: its state changed right after the call while its writer is held, and two saves
+pending at once (the first one's writer held); its speed counts only when that check passes, and is timed here, from round trips into the sandbox
 (how long async_save blocks, how long until wait() returns), for saves that must all be made,
 the last of them loaded back exactly. ``train_resumable`` and ``async_save`` run with the
 student's own ``save_checkpoint`` and ``load_latest`` (as in the student's self-check), and the
@@ -37,9 +40,12 @@ from autograder.keys import answer_key
 
 from . import expected as E
 from . import faults
-from .probes import (plain, probe_async, probe_async_begin, probe_async_end, probe_async_start,
-                     probe_async_wait, probe_commit_kills, probe_diagnose, probe_diagnose_errors,
-                     probe_random_kills, probe_resumable, probe_round_trip)
+from .judging import (judge_commit, judge_flushes, judge_keep, judge_load, judge_overlap,
+                      judge_trials)
+from .probes import (probe_async, probe_async_begin, probe_async_end, probe_async_overlap,
+                     probe_async_start, probe_async_wait, probe_diagnose, probe_diagnose_errors,
+                     probe_resumable)
+from .saving import probe_commit_kills, probe_keep, probe_random_kills, probe_round_trip
 from .spec import SPEC
 
 graded = SPEC.graded
@@ -133,92 +139,35 @@ def test_diagnose_hidden_random_traces(student):
 
 # ---------------------------------------------------------------------------- checkpoints
 
-def _judge_load(reply, seed, steps, what, numel=1000):
-    """The load returned one of ``steps`` and left exactly that step's values in the state."""
-    assert isinstance(reply, dict), "the reply was tampered with"
-    if "error" in reply:
-        raise AssertionError(f"load_latest raised {reply['error']} {what}")
-    step = reply["step"]
-    assert step.get("t") == "int" and step.get("v") in steps, (
-        f"load_latest returned {_value(step)} {what}; expected "
-        + (f"one of the steps {steps} (the latest complete checkpoint)" if len(steps) > 1
-           else f"{steps[0]}"))
-    want, state = E.checkpoint_state(step["v"], seed, numel), reply["state"]
-    assert isinstance(state, dict) and set(state) == set(want), (
-        f"after load_latest {what} the state has the keys {sorted(state)}; expected "
-        f"{sorted(want)}")
-    for k, v in want.items():
-        got = state[k]
-        if isinstance(v, torch.Tensor):
-            t = got.get("tensor") if isinstance(got, dict) else None
-            ok = (isinstance(t, torch.Tensor) and t.dtype == v.dtype and t.shape == v.shape
-                  and torch.equal(t, v))
-        else:
-            ok = isinstance(got, dict) and "value" in got and \
-                _value(got["value"]) == _value(plain(v))
-        assert ok, (f"after load_latest {what}, state['{k}'] is not what step {step['v']} saved "
-                    "(exactly: tensors bitwise with their dtype, Python values equal; a "
-                    "half-written or mixed checkpoint?)")
-
-
 @graded
 def test_checkpoint_round_trip(student):
     seed = _seed()
     reply = student.call(probe_round_trip, seed)
     assert isinstance(reply, dict), "the reply was tampered with"
     for where in ("missing", "empty"):
-        r = reply[where]
-        assert "error" not in r, f"load_latest raised {r.get('error')} ({where} folder)"
-        assert r["step"].get("t") == "None", (
-            f"load_latest should return None when there is no checkpoint ({where} folder); got "
-            f"{_value(r['step'])}")
-        blank = E.blank_state()
-        assert all(("tensor" in r["state"][k] and torch.equal(r["state"][k]["tensor"], v))
-                   if isinstance(v, torch.Tensor) else "value" in r["state"][k]
-                   for k, v in blank.items()), \
-            f"load_latest changed the state although there was no checkpoint ({where} folder)"
-    _judge_load(reply["latest"], seed, [3], "after saving steps 1, 2 and 3")
-
-
-def _judge_trials(trials, seed, numel):
-    assert isinstance(trials, list) and trials, "the reply was tampered with"
-    for trial in trials:
-        assert isinstance(trial, dict), "the reply was tampered with"
-        kill = trial.get("kill", "not killed")
-        assert "setup" not in trial, trial.get("setup")
-        if trial["ended"] == "hung":
-            raise AssertionError(f"save_checkpoint did not return within the probe's limit "
-                                 f"({kill})")
-        if kill.startswith("not killed"):
-            assert trial["saved"], (f"save_checkpoint of step 2 (no kill) failed: "
-                                    f"{trial['error'] or trial['ended']}")
-            steps, after = [2], f"after step 2's save returned ({kill})"
-        elif trial["saved"]:
-            steps, after = [2], f"after step 2's save returned before its kill ({kill})"
-        else:
-            steps = [1, 2]
-            after = f"after step 2's save was stopped ({kill}; the child {trial['ended']})"
-        _judge_load(trial["loaded"], seed, steps, after, numel)
-        then = trial["then"]
-        assert "error" not in then or "load_latest" in then["error"], \
-            f"{then.get('error')} ({after})"
-        _judge_load(then, seed, [3], f"{after} and step 3 was saved", numel)
+        judge_load(reply[where], seed, [], f"({where} folder)", or_none=True)
+    judge_load(reply["latest"], seed, [3], "after saving steps 1, 2 and 3")
 
 
 @graded
 def test_checkpoint_survives_kills_at_each_file_system_call(student):
     seed = _seed()
     trials = student.call(probe_commit_kills, seed)
-    _judge_trials(trials, seed, 1000)
-    assert len(trials) > 1, ("save_checkpoint made no call to open, os.replace, os.rename, "
-                             "os.fsync, ... from Python: the text asks for a save that "
-                             "commits through at least one of them")
+    judge_trials(trials, seed, 1000)
+    judge_commit(trials)
+    judge_flushes(trials[0])
 
 
 @graded
 def test_checkpoint_survives_kills_at_random_moments(student):
     seed = _seed()
-    _judge_trials(student.call(probe_random_kills, seed, RANDOM_NUMEL), seed, RANDOM_NUMEL)
+    judge_trials(student.call(probe_random_kills, seed, RANDOM_NUMEL), seed, RANDOM_NUMEL)
+
+
+@graded
+def test_checkpoint_keeps_the_last_k_and_skips_a_damaged_one(student):
+    seed = _seed()
+    judge_keep(student.call(probe_keep, seed, RANDOM_NUMEL), seed, RANDOM_NUMEL)
 
 
 # ---------------------------------------------------------------------------- train_resumable
@@ -370,10 +319,12 @@ def _async_correct(student):
         assert isinstance(reply, dict), "the reply was tampered with"
         if "error" in reply:
             raise AssertionError(reply["error"])
-        _judge_load(reply["loaded"], seed, [2], "after async_save of step 2, the state "
-                    "changed in place right after it returned (the writer held until then), "
-                    "and wait()", RANDOM_NUMEL)
+        judge_load(reply["loaded"], seed, [2], "after async_save of step 2, the state "
+                   "changed in place right after it returned (the writer held until then), "
+                   "and wait()", RANDOM_NUMEL)
+        judge_overlap(student.call(probe_async_overlap, seed, RANDOM_NUMEL), seed, RANDOM_NUMEL)
     return student.shared("async_save", run)
+
 
 
 @graded
@@ -409,7 +360,7 @@ def _timed_saves(student) -> list[tuple[float, float]]:
                 student.call(probe_async_end)
     assert isinstance(reply, dict) and "loaded" in reply, "the reply was tampered with"
     check_work_done([reply.get("saves")], ASYNC_ROUNDS, "the timed async_save", "saves")
-    _judge_load(reply["loaded"], seed, [ASYNC_ROUNDS], f"after the {ASYNC_ROUNDS} timed saves",
+    judge_load(reply["loaded"], seed, [ASYNC_ROUNDS], f"after the {ASYNC_ROUNDS} timed saves",
                 ASYNC_NUMEL)
     return times
 

@@ -14,17 +14,33 @@ def error_text(exc) -> str:
     return (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)[:500]
 
 
-#: What a save may call to write or commit: a kill is planted before or after each call.
+#: What a save may call to write or commit: a kill is planted before or after each call (the
+#: released text lists them; pathlib's methods go through them: ``Path.touch`` through os.open).
 HOOKED = (("os", "replace"), ("os", "rename"), ("os", "link"), ("os", "symlink"),
-          ("os", "fsync"), ("os", "unlink"), ("os", "remove"), ("os", "rmdir"),
-          ("os", "mkdir"), ("builtins", "open"), ("io", "open"), ("shutil", "move"))
+          ("os", "fsync"), ("os", "fdatasync"), ("os", "unlink"), ("os", "remove"),
+          ("os", "rmdir"), ("os", "mkdir"), ("os", "open"), ("builtins", "open"), ("io", "open"),
+          ("shutil", "move"))
+#: The calls that flush a file: each is reported with the file's identity and size.
+SYNCS = ("os.fsync", "os.fdatasync")
 #: Seconds a child's save may take before it counts as hung.
 CHILD_TIMEOUT = 20.0
 
 
-def install_hooks(plan, report):
+def _identity(fd):
+    """``(st_dev, st_ino, st_size)`` of what ``fd`` (a descriptor, or an object with
+    ``fileno()``) is open on, or None."""
+    try:
+        st = os.fstat(fd if isinstance(fd, int) else fd.fileno())
+    except Exception:  # noqa: BLE001 - the call itself will say what is wrong
+        return None
+    return st.st_dev, st.st_ino, st.st_size
+
+
+def install_hooks(plan, report, synced=None):
     """Wrap the file-system functions of :data:`HOOKED`: each call is an event; ``plan`` =
-    (k, "before" | "after") kills this process at the k-th event; ``report(name)`` notes it."""
+    (k, "before" | "after") kills this process at the k-th event (after: once it returned or
+    raised); ``report(name)`` notes it; ``synced(dev, ino, size)`` notes each flush of
+    :data:`SYNCS` that returned (the file's identity and its size at the call)."""
     import importlib
 
     count = [0]
@@ -38,9 +54,14 @@ def install_hooks(plan, report):
             report(__name)
             if plan and plan == (k, "before"):
                 os.kill(os.getpid(), signal.SIGKILL)
-            result = __original(*args, **kwargs)
-            if plan and plan == (k, "after"):
-                os.kill(os.getpid(), signal.SIGKILL)
+            flushed = _identity(args[0]) if synced and __name in SYNCS and args else None
+            try:
+                result = __original(*args, **kwargs)
+            finally:  # after a call that raised too (os.mkdir of a folder that exists)
+                if plan and plan == (k, "after"):
+                    os.kill(os.getpid(), signal.SIGKILL)
+            if flushed:
+                synced(*flushed)
             return result
         setattr(module, attr, hooked)
 

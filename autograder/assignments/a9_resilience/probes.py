@@ -1,24 +1,17 @@
 """Assignment 9's probes: they run in the sandbox beside the student's code and only collect.
 
 ``diagnose`` is called on traces the grader sends (recorded in the grader's own processes, or
-fixed ones). The checkpoint probes save and load in a scratch folder of the sandbox; the saves
-that get killed run in a child forked from the sandbox's worker (:mod:`.children`), which the
-probe kills with SIGKILL at a chosen moment and always reaps: before or after the k-th call to
-a file-system function (:data:`HOOKED`), after a delay drawn from the run's seed, or mid-write
-by a file-size limit (SIGXFSZ). Loading always happens here, in the worker, after the child is
-gone. Nothing here judges.
+fixed ones). The probes of ``save_checkpoint`` and ``load_latest`` are in :mod:`.saving`;
+``async_save``'s hold its background writer at a file call while they change the state, or
+while a second save runs. Nothing here judges.
 """
 from __future__ import annotations
 
 import copy
 import json
 import os
-import random
-import resource
 import shutil
-import signal
 import tempfile
-import time
 
 import torch
 
@@ -26,7 +19,7 @@ from autograder.checking.probes import error_of, plain, student_function
 
 from . import expected as E
 from .children import error_text as _error
-from .children import install_hooks, kill_child, run_child
+from .saving import load_into_blank
 from .spec import SPEC
 
 
@@ -47,130 +40,6 @@ def probe_diagnose(ns, cases):
 def probe_diagnose_errors(ns, bad):
     fn = student_function(ns, SPEC.function("diagnose"))
     return [error_of(lambda t=t: fn(copy.deepcopy(t))) for t in bad]
-
-
-# ---------------------------------------------------------------------------- checkpoints
-
-def snapshot(state) -> dict:
-    """What load_latest left in ``state``: tensors as copies, the rest as plain data."""
-    if not isinstance(state, dict):
-        return {"t": type(state).__name__}
-    return {str(k): ({"tensor": v.detach().clone()} if isinstance(v, torch.Tensor)
-                     else {"value": plain(v)}) for k, v in state.items()}
-
-
-def _load(load, directory, numel):
-    state = E.blank_state(numel)
-    try:
-        step = load(directory, state)
-    except Exception as exc:  # noqa: BLE001 - reported to the grader
-        return {"error": _error(exc)}
-    return {"step": plain(step), "state": snapshot(state)}
-
-
-def _functions(ns):
-    return (student_function(ns, SPEC.function("save_checkpoint")),
-            student_function(ns, SPEC.function("load_latest")))
-
-
-def probe_round_trip(ns, seed):
-    """load_latest on a folder that does not exist and on an empty one; then three saves and
-    one load; then a load into a second blank state."""
-    save, load = _functions(ns)
-    root = tempfile.mkdtemp(prefix="a9-ckpt-")
-    try:
-        missing = _load(load, os.path.join(root, "nothing-here"), 1000)
-        os.mkdir(os.path.join(root, "empty"))
-        empty = _load(load, os.path.join(root, "empty"), 1000)
-        d = os.path.join(root, "run")
-        for step in (1, 2, 3):
-            save(d, E.checkpoint_state(step, seed), step)
-        return {"missing": missing, "empty": empty, "latest": _load(load, d, 1000)}
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _trial(save, load, seed, d, numel, prepare):
-    """Step 1 saved in a child; in a second child, ``prepare(say)`` then step 2's save (which
-    may be killed); then, here, a load, a save of step 3 and another load."""
-    first, how, _ = run_child(lambda say: save(d, E.checkpoint_state(1, seed, numel), 1))
-    if how != "exit code 0":
-        why = next((x[6:] for x in first if x.startswith("error ")), how)
-        return {"setup": f"save_checkpoint of step 1 (no kill) failed: {why}"}
-
-    def body(say):
-        prepare(say)
-        say("go")
-        save(d, E.checkpoint_state(2, seed, numel), 2)
-        say("saved")
-    lines, how, stamps = run_child(body, on_go=getattr(prepare, "on_go", None))
-    if "go" not in lines:
-        return {"setup": f"the grader could not prepare the kill: the child {how}"}
-    out = {"ended": how, "saved": "saved" in lines,
-           "seconds": stamps["saved"] - stamps["go"] if "saved" in stamps else None,
-           "error": next((x[6:] for x in lines if x.startswith("error ")), None),
-           "events": [x[6:] for x in lines if x.startswith("event ")],
-           "loaded": _load(load, d, numel)}
-    try:
-        save(d, E.checkpoint_state(3, seed, numel), 3)
-        out["then"] = _load(load, d, numel)
-    except Exception as exc:  # noqa: BLE001 - reported to the grader
-        out["then"] = {"error": "save_checkpoint of the next step raised " + _error(exc)}
-    return out
-
-
-def probe_commit_kills(ns, seed, most=12):
-    """A kill before and after each of the first ``most`` file-system calls of a save."""
-    save, load = _functions(ns)
-    root = tempfile.mkdtemp(prefix="a9-kill-")
-    try:
-        def counting(say):
-            install_hooks(None, lambda name: say("event " + name))
-        trials = [_trial(save, load, seed, os.path.join(root, "count"), 1000, counting)]
-        events = trials[0].get("events", [])
-        for k in range(min(len(events), most)):
-            for when in ("before", "after"):
-                def plan(say, k=k, when=when):
-                    install_hooks((k, when), lambda name: say("event " + name))
-                trial = _trial(save, load, seed, os.path.join(root, f"{k}-{when}"), 1000, plan)
-                trials.append(dict(trial, kill=f"{when} call {k + 1} ({events[k]})"))
-        return trials
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def probe_random_kills(ns, seed, numel, kills=6):
-    """Step 2's save of a state of ``numel`` floats killed after a delay drawn from the seed
-    over 1.5 x a measured save; and once cut off mid-write by a file-size limit."""
-    save, load = _functions(ns)
-    root = tempfile.mkdtemp(prefix="a9-random-")
-    rng = random.Random(seed)
-    try:
-        trial = _trial(save, load, seed, os.path.join(root, "measure"), numel, lambda say: None)
-        trials = [dict(trial, kill="not killed: the save timed")]
-        seconds = trial.get("seconds") or 0.01  # one save of step 2, unkilled
-        for i in range(1, kills + 1):
-            delay = rng.uniform(0, 1.5 * seconds)
-
-            def prepare(say):
-                pass
-            prepare.on_go = lambda pid, delay=delay: (time.sleep(delay), kill_child(pid))
-            trial = _trial(save, load, seed, os.path.join(root, str(i)), numel, prepare)
-            trials.append(dict(trial, kill=f"SIGKILL {1000 * delay:.1f} ms into the save"))
-
-        def limited(say):
-            signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
-            hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]  # the sandbox's own limit
-            soft = 2 * numel if hard == resource.RLIM_INFINITY else min(2 * numel, hard)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        trial = _trial(save, load, seed, os.path.join(root, "fsize"), numel, limited)
-        trials.append(dict(trial, kill=f"SIGXFSZ: a file-size limit of {2 * numel} bytes "
-                                       "(half of the largest tensor) cuts a write off"))
-        return trials
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
 
 
 # ---------------------------------------------------------------------------- train_resumable
@@ -319,7 +188,88 @@ def probe_async(ns, seed, numel):
             return {"error": f"async_save returned {type(handle).__name__}, which has no "
                              "wait()"}
         handle.wait()
-        return {"loaded": _load(load, d, numel)}
+        return {"loaded": load_into_blank(load, d, numel)}
+    finally:
+        released.set()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+#: Seconds the overlap probe holds the first save's writer, and waits for the second save.
+HOLD = 2.0
+#: What the overlap probe holds a writer right after.
+OPENS = (("builtins", "open"), ("io", "open"), ("os", "open"))
+
+
+def _hold_after_open(held, released, armed):
+    """Hold the first thread but the main one that returns from a call of :data:`OPENS` until
+    ``released`` is set, at most :data:`HOLD` s (``held`` is set meanwhile), while ``armed``
+    (a list: ``armed[0]``) is true; returns the undo."""
+    import importlib
+    import threading
+
+    saved, lock = [], threading.Lock()
+    for module_name, attr in OPENS:
+        module = importlib.import_module(module_name)
+        original = getattr(module, attr)
+
+        def holding(*args, __original=original, **kwargs):
+            result = __original(*args, **kwargs)
+            if threading.current_thread() is not threading.main_thread():
+                with lock:
+                    mine, armed[0] = armed[0], False
+                if mine:
+                    held.set()
+                    released.wait(HOLD)
+            return result
+        saved.append((module, attr, original))
+        setattr(module, attr, holding)
+
+    def undo():
+        for module, attr, original in reversed(saved):
+            setattr(module, attr, original)
+    return undo
+
+
+def _wait(handle, which, errors):
+    """``handle.wait()``; what it raised goes into ``errors[which]``."""
+    try:
+        handle.wait()
+    except Exception as exc:  # noqa: BLE001 - reported to the grader
+        errors[which] = _error(exc)
+
+
+def probe_async_overlap(ns, seed, numel):
+    """Two saves pending at once: async_save of step 2, whose writer is held right after its
+    first open returns; async_save of step 3, awaited (at most :data:`HOLD` s) before the
+    first writer goes on; then both wait()s and a load."""
+    import threading
+
+    fn = student_function(ns, SPEC.function("async_save"))
+    load = student_function(ns, SPEC.function("load_latest"))
+    root = tempfile.mkdtemp(prefix="a9-overlap-")
+    held, released, errors, armed = threading.Event(), threading.Event(), {}, [True]
+    try:
+        d = os.path.join(root, "run")
+        undo = _hold_after_open(held, released, armed)
+        try:
+            first = fn(d, E.checkpoint_state(2, seed, numel), 2)
+            was_held = held.wait(HOLD)
+            armed[0] = False  # no more holds: one was, or no file was opened within HOLD s
+            second = fn(d, E.checkpoint_state(3, seed, numel), 3)
+            for handle in (first, second):
+                if not callable(getattr(handle, "wait", None)):
+                    return {"error": f"async_save returned {type(handle).__name__}, which has "
+                                     "no wait()"}
+            waiter = threading.Thread(target=_wait, args=(second, "second", errors),
+                                      daemon=True)
+            waiter.start()
+            waiter.join(HOLD)
+        finally:
+            released.set()
+            undo()
+        _wait(first, "first", errors)
+        waiter.join()
+        return {"held": was_held, "errors": errors, "loaded": load_into_blank(load, d, numel)}
     finally:
         released.set()
         shutil.rmtree(root, ignore_errors=True)
@@ -378,7 +328,7 @@ def probe_async_end(ns, numel=None):
             return {"saves": 0, "loaded": {"error": "nothing was saved"}}
         load = student_function(ns, SPEC.function("load_latest"))
         return {"saves": _TIMED["saves"],
-                "loaded": _load(load, os.path.join(_TIMED["root"], "run"), numel)}
+                "loaded": load_into_blank(load, os.path.join(_TIMED["root"], "run"), numel)}
     finally:
         _end_timed()
 
