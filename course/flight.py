@@ -12,7 +12,8 @@ name, torch's ``group_name`` (the default group's is "0"; ``new_group``, ``new_s
 ``init_device_mesh`` name each group they make the same on every member, and two groups never
 share a name, even two of the same ranks, so that ``(group, seq)`` names one call); ``members``
 the group's global ranks, sorted; ``op`` is :mod:`course.collectives`' name; ``shapes`` the
-shapes of the call's input tensors (a RECV has none: the shape of the tensor it fills); ``dtype``
+shapes of the call's input tensors (for a RECV, which has no input, the shape of the tensor it
+fills); ``dtype``
 the first of those tensors' dtype ("" for a BARRIER); ``peer`` the other side's global rank of
 a SEND/RECV; ``state`` "started" when issued, "completed" once its work has finished without an
 error. A rank stuck in (or timed out of) a call keeps that entry "started" with nothing after it

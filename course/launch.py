@@ -144,7 +144,7 @@ def _fork_server_context():
 
 
 def pickler_keeping_filenames():
-    """cloudpickle's Pickler class (a notebook's functions and classes by value), with three
+    """cloudpickle's Pickler class (a notebook's functions and classes by value), with four
     changes, each for code that runs in Jupyter and must run the same in every rank:
 
     - code objects keep their file names. cloudpickle 3 writes every code object it pickles by
@@ -162,9 +162,14 @@ def pickler_keeping_filenames():
       wrapped again in the rank (with the same ``maxsize`` and ``typed``, an empty cache). Its
       own ``__reduce__`` names it by reference, and no rank could find it ("Can't get attribute
       '_helper' on <module '__main__'>").
+    - a lock (``threading.Lock``, ``threading.RLock``, and so the ``Condition``, ``Event`` or
+      ``queue.Queue`` built on them) travels as a new, unlocked lock: a notebook's global lock no longer stops its functions from reaching the ranks
+      ("cannot pickle '_thread.lock' object"). Threads, open files and sockets still cannot.
     """
+    import _thread
     import functools
     import marshal
+    import threading
     import types
     from collections import ChainMap
 
@@ -172,7 +177,9 @@ def pickler_keeping_filenames():
 
     class Pickler(cloudpickle.Pickler):
         dispatch_table = ChainMap(
-            {types.CodeType: lambda code: (marshal.loads, (marshal.dumps(code),))},
+            {types.CodeType: lambda code: (marshal.loads, (marshal.dumps(code),)),
+             _thread.LockType: lambda lock: (_thread.allocate_lock, ()),
+             _thread.RLock: lambda lock: (threading.RLock, ())},
             cloudpickle.Pickler.dispatch_table)
 
         def reducer_override(self, obj):

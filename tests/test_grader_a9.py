@@ -357,6 +357,33 @@ def test_the_lessons_atomic_write_earns_less_than_part_2(offline_env, tmp_path):
 
 @pytest.mark.full
 @pytest.mark.slow
+def test_a_loader_that_checks_only_its_manifest_loads_a_damaged_tensor_file(offline_env,
+                                                                             tmp_path):
+    """tests/independent's checkpoint folder (one file per tensor, a sealed manifest of their
+    hashes) with its loader checking only the manifest's seal: damaging all of step 5's files
+    at once breaks the seal and hides the bug; damaging the tensor's file alone does not (found
+    by a held-out solution of this kind, whose bug lost nothing before)."""
+    from test_independent_solutions import answers_of, paste_answers
+
+    answers = answers_of("a9_resilience")
+    check = ('                if _blake(data) != item["blake2b"]:\n'
+             '                    return None\n')
+    assert check in answers["load_latest"] + answers["save_checkpoint"]
+    answers = {k: v.replace(check, "") for k, v in answers.items()}
+    nb = nbformat.read(RELEASE, as_version=4)
+    paste_answers(nb, answers)
+    path = tmp_path / "manifest_only.ipynb"
+    nbformat.write(nb, path)
+    report = grade(path, "--only", "save_checkpoint,load_latest", "--speed", "skip",
+                   env=offline_env)
+    print(report["stdout"])
+    assert_only_these_checks_fail(report, {"checkpoint_keeps_the_last_k_and_skips_a_damaged_one"})
+    failed = next(r for r in report["results"] if r["status"] == "failed")
+    assert "alone (a file step 5's save created or changed)" in failed["message"], failed
+
+
+@pytest.mark.full
+@pytest.mark.slow
 def test_a_save_without_fsync_and_saves_sharing_a_temporary_name(offline_env, tmp_path):
     """Two gradings. The reference without its file's fsync: only the kills at each
     file-system call fail, naming the file not flushed. Every save writing to one temporary

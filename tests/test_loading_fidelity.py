@@ -188,6 +188,44 @@ def test_ranks_take_cached_helpers_and_torch_ops():
     assert launch(ns["gather_rows"], 2, quiet=True) == [([0.0, 1.0], True, 4)] * 2
 
 
+LOCKS_CODE = """\
+import queue
+import threading
+
+_WRITERS = {}                      # a registry of background writers, as an async save keeps
+_LOCK = threading.Lock()
+_PENDING = queue.Queue()
+
+def with_a_global_lock(rank, world_size):
+    with _LOCK:
+        _WRITERS[rank] = world_size
+        _PENDING.put(rank)
+    return sorted(_WRITERS.items()), _PENDING.get(), _LOCK.locked()
+"""
+
+
+def test_ranks_take_functions_that_reach_a_global_lock():
+    """A function whose notebook globals hold a lock (or a queue or event built on one) reaches
+    every rank, each with a new, unlocked lock (an independent A9 solution lost Part 3's 6
+    points to "cannot pickle '_thread.lock' object": its save kept a lock in a global)."""
+    from autograder.sandbox import as_loaded
+    from autograder.checking.ranks import run_ranks
+    from course.launch import launch
+
+    ns = {"__name__": "__main__"}
+    exec(compile(LOCKS_CODE, "<cell locks>", "exec", dont_inherit=True), ns)
+    ns["_LOCK"].acquire()              # held in the sender: each rank's copy is a new lock
+    try:
+        assert as_loaded.record(ns) == []
+        assert run_ranks(ns["with_a_global_lock"], 2) == [([(0, 2)], 0, False),
+                                                          ([(1, 2)], 1, False)]
+        assert launch(ns["with_a_global_lock"], 2, quiet=True) == [([(0, 2)], 0, False),
+                                                                   ([(1, 2)], 1, False)]
+    finally:
+        as_loaded.record({})
+        ns["_LOCK"].release()
+
+
 def test_a_rank_that_dies_in_a_cpp_abort_is_the_one_reported():
     """gloo aborts (C++, SIGABRT) on a receive of another size than the send; its peer then
     raises "Connection reset by peer" in Python. The message names the rank that died and its

@@ -113,6 +113,11 @@ FIXED_TRACES = [
      "the most common among the members that made one",
      _run(4, [((0, 1, 2), D4, "ALLREDUCE", (4,), F, None), ((3,), D4, "ALLGATHER", (2,), F, None),
               ((0, 1), D4, "ALLGATHER", (2,), F, None), ((3,), D4, "ALLREDUCE", (4,), F, None)])),
+    ("rank 3's call at seq 0 is the others' call at seq 1, but its call at seq 1 is not their "
+     "call at seq 0: half a swap is another op, not order",
+     _run(4, [((0, 1, 2), D4, "ALLREDUCE", (8,), F, None), ((3,), D4, "ALLGATHER", (2,), F, None),
+              ((0, 1, 2), D4, "ALLGATHER", (2,), F, None),
+              ((3,), D4, "BROADCAST", (8,), F, None)])),
     ("two ranks disagree with two others: the lowest rank's call is the reference",
      _stuck(_run(4, [((0, 1), D4, "ALLREDUCE", (4,), F, None),
                      ((2, 3), D4, "ALLREDUCE", (5,), F, None)]))),

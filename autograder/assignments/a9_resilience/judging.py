@@ -182,7 +182,8 @@ def judge_flushes(trial):
 
 def judge_keep(reply, seed, numel):
     """Steps 1 to 5 with keep=2: step 5 loads; the files hold less than 3 checkpoints; with
-    step 5's files damaged, 4 or 5 exactly; with step 4's damaged too, None or exact values."""
+    each of step 5's files damaged alone, then all of them, 4 or 5 exactly; with step 4's
+    damaged too, None or exact values."""
     assert isinstance(reply, dict), TAMPERED
     judge_load(reply["latest"], seed, [5], "after saving steps 1 to 5 with keep=2", numel)
     sizes, names = reply["sizes"], reply["files"]
@@ -199,7 +200,15 @@ def judge_keep(reply, seed, numel):
     assert isinstance(damaged, list) and len(damaged) == 2 and all(
         isinstance(d, dict) and isinstance(d.get("files"), list)
         and all(isinstance(n, str) for n in d["files"]) for d in damaged), TAMPERED
+    alone = reply["alone"]
+    assert isinstance(alone, list) and len(alone) <= MOST_FILES and all(
+        isinstance(d, dict) and isinstance(d.get("files"), list) and len(d["files"]) == 1
+        and isinstance(d["files"][0], str) for d in alone), TAMPERED
     hint = "a damaged file loaded: does load_latest check what it reads?"
+    for one_file in alone:
+        judge_load(one_file["loaded"], seed, [4, 5], "after the byte in the middle of "
+                   f"{one_file['files'][0]!r} alone (a file step 5's save created or changed) "
+                   "was flipped", numel, hint)
     fifth, fourth = damaged
     judge_load(fifth["loaded"], seed, [4, 5], "after the byte in the middle of each file step "
                f"5's save created or changed was flipped ({fifth['files'][:6]})", numel, hint)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
 import shutil
 import tempfile
 
@@ -103,6 +104,16 @@ def probe_resumable(ns, seed, jobs):
                                        collective_timeout=10.0)
                     runs.append({"world": world, "kill": kill, "error": None})
                     state = result[0]
+                except (TypeError, AttributeError, pickle.PicklingError) as exc:
+                    if "pickl" not in str(exc):
+                        raise
+                    runs.append({"world": world, "kill": kill, "timed_out": False, "error": (
+                        "train_resumable could not be sent to the rank processes: it travels "
+                        "by value (cloudpickle, as course.launch sends a function), with the "
+                        "notebook's globals it reaches, and one of them cannot: "
+                        f"{type(exc).__name__}: {str(exc)[:300]} (make threads, open files "
+                        "and sockets inside the functions that use them)")})
+                    break
                 except RuntimeError as exc:
                     timed_out = isinstance(exc, RanksTimedOut)
                     runs.append({"world": world, "kill": kill, "error": str(exc)[-1500:],

@@ -233,7 +233,8 @@ def _damage(directory, relative) -> bool:
 
 def probe_keep(ns, seed, numel):
     """Steps 1 to 5 saved with keep=2 (the folder's files before and after each save); a load;
-    then the files step 5's save made damaged and a load; then those of step 4 and a load."""
+    each file step 5's save made damaged alone and a load (then put back); all of them damaged
+    and a load; then those of step 4 too and a load."""
     save, load = _functions(ns)
     root = tempfile.mkdtemp(prefix="a9-keep-")
     try:
@@ -247,6 +248,11 @@ def probe_keep(ns, seed, numel):
             sizes[step] = sum(f[2] for p, f in now.items() if p)
         out = {"sizes": {"1": sizes[1], "5": sizes[5]}, "files": sorted(p for p in now if p),
                "latest": load_into_blank(load, d, numel)}
+        out["alone"] = []
+        for p in by_step[5]:  # each file alone, then put back (the flip undoes itself)
+            if _damage(d, p):
+                out["alone"].append({"files": [p], "loaded": load_into_blank(load, d, numel)})
+                _damage(d, p)
         fifth = [p for p in by_step[5] if _damage(d, p)]
         out["damaged"] = [{"files": fifth, "loaded": load_into_blank(load, d, numel)}]
         fourth = [p for p in by_step[4] if p not in by_step[5] and _damage(d, p)]
