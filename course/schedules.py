@@ -98,8 +98,9 @@ def parse(schedule) -> dict[int, list[tuple[Op, ...]]]:
 
 
 def _ops(parsed):
-    """(rank, position, op) for every op, in list order."""
-    return [(rank, i, op) for rank, entries in parsed.items() for i, ops in enumerate(entries) for op in ops]
+    """(rank, position, op) for every op, in list order; a pair's two ops at (entry, 0) and (entry, 1)."""
+    return [(rank, (i, j), op) for rank, entries in parsed.items()
+            for i, ops in enumerate(entries) for j, op in enumerate(ops)]
 
 
 def stage_ranks(schedule) -> dict[int, int]:
@@ -174,6 +175,8 @@ def check(schedule, n_micro: int | None = None, cost: dict | None = None, latenc
     where = stage_ranks(parsed)
     ops = _ops(parsed)
     compute = [(rank, i, op) for rank, i, op in ops if op.kind in COMPUTE]
+    if not compute:
+        raise ValueError("the lists name no F, B, I or W")
     m = n_micro if n_micro is not None else 1 + max(op.mb for _, _, op in compute)
     count = Counter(op for _, _, op in compute)
     for op, n in count.items():
@@ -227,7 +230,8 @@ def _check_messages(parsed, where, position, n_stages):
 
 def simulate(schedule, cost: dict | None = None, latency: float = 0.0) -> dict:
     """``{rank: [(op, start, end), ...]}``: every rank runs its list in order, each action as soon
-    as the rank is free and its inputs are there: F after the previous stage's F of that
+    as the rank is free and its inputs are there (a pair when both of its actions' are, as torch's
+    lowering places it; then its forward and its backward, one after the other): F after the previous stage's F of that
     micro-batch, B or I after the next stage's B or I (the last stage's after its own F), W after
     its I; ``latency`` more when they come from another rank (in lists with messages, from the
     send's time). Messages take no time of their own. ValueError if the ranks get stuck (a
@@ -281,7 +285,7 @@ def simulate(schedule, cost: dict | None = None, latency: float = 0.0) -> dict:
                 if any(t is None for t in times):
                     break
                 t = max([free[rank], *times])
-                for op in ops:
+                for op in ops:                    # a pair: its forward, then its backward
                     end = t + (cost[op.kind] * scale if op.kind in COMPUTE else 0.0)
                     if op.kind in COMPUTE:
                         timeline[rank].append((op, t, end))
@@ -356,7 +360,7 @@ def draw(ax, timeline: dict, title: str = "", scale: float = 1.0, unit: str = "f
     stages (when it holds several) hatched."""
     t0 = min(start for rank in timeline.values() for _, start, _ in rank)
     where = {op.stage: rank for rank, entries in timeline.items() for op, _, _ in entries}
-    first = {rank: min(s for s, r in where.items() if r == rank) for rank in timeline}
+    first = {rank: min((s for s, r in where.items() if r == rank), default=None) for rank in timeline}
     for rank, entries in timeline.items():
         for op, start, end in entries:
             ax.broken_barh([((start - t0) * scale, (end - start) * scale)], (rank - 0.4, 0.8),

@@ -59,6 +59,23 @@ def test_a_rank_with_two_stages_runs_each_in_half_the_time():
     assert sch.stage_ranks(v) == {0: 0, 3: 0, 1: 1, 2: 1}
 
 
+def test_a_pair_waits_for_both_inputs_then_runs_forward_then_backward():
+    """An OVERLAP_F_B pair starts when both of its actions can (torch's lowering places it only
+    then) and runs them one after the other, as torch's runtime does."""
+    lists = {0: "0F0 1F0 0F1 (1F1;1B0)OVERLAP_F_B 1B1 0B0 0B1"}        # one rank, two stages
+    timeline = sch.check(lists)
+    assert [(str(op), s, e) for op, s, e in timeline[0]] == [
+        ("0F0", 0, 0.5), ("1F0", 0.5, 1), ("0F1", 1, 1.5), ("1F1", 1.5, 2), ("1B0", 2, 3),
+        ("1B1", 3, 4), ("0B0", 4, 5), ("0B1", 5, 6)]
+    assert sch.peak_in_flight(lists) == [4] and sch.messages(lists) == 0
+    with pytest.raises(ValueError, match=r"deadlock: no rank can go on \(rank 0 at 1F0\+1B0\)"):
+        sch.check({0: "0F0 (1F0;1B0)OVERLAP_F_B 0B0"})             # its backward needs its own forward
+    with pytest.raises(ValueError, match="1B0 comes before 1F0"):
+        sch.check({0: "0F0 (1B0;1F0)OVERLAP_F_B 0B0"})
+    with pytest.raises(ValueError, match="the lists name no F, B, I or W"):
+        sch.check({0: "0REDUCE_GRAD", 1: []})
+
+
 @pytest.mark.parametrize("lists, n_micro, message", [
     ({0: "0F0 0W0 0I0", 1: "1F0 1I0 1W0"}, None, "0W0 comes before 0I0"),
     ({0: "0F0 0B0", 1: "1F0 1B0 1F0"}, None, "1F0 appears 2 times"),
