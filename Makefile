@@ -69,9 +69,9 @@ TORCH_TESTS = test_a1_a2_hardening test_adversarial test_bench test_bench_a6 tes
 	test_grader_a6 test_grader_a7 test_grader_a8 test_grader_a9 test_independent_solutions \
 	test_instructor_flow test_lessons test_loading_fidelity test_loose_comparisons \
 	test_messages_in_place test_nbgrader_bridge test_no_reference_in_sandbox test_planning_ep \
-	test_reference_seeds test_sandbox_attacks test_sandbox_policy test_skips_earn_nothing \
-	test_slurm_real test_timed_work test_toolkit test_torch_compat test_warm_checks \
-	test_wheelhouse
+	test_reference_seeds test_sandbox_attacks test_sandbox_policy test_schedules \
+	test_skips_earn_nothing test_slurm_real test_timed_work test_toolkit test_torch_compat \
+	test_warm_checks test_wheelhouse
 TORCH_INDEPENDENT_TESTS = test_answer_keys test_assignment_texts test_batch_grading test_browser \
 	test_compose_config test_docker test_docker_driver test_docker_hosts test_edition \
 	test_grader_layout test_gradescope test_lab_launch test_release_in_sync test_student_work

@@ -11,6 +11,8 @@
   between the torch releases the course supports.
 - :mod:`course.flight`: per-rank traces of collective calls, for finding where a hung job's
   ranks stopped agreeing (lesson 17).
+- :mod:`course.schedules`: pipeline schedules as per-rank action lists in torch's format,
+  checked, simulated, counted and drawn (lesson 18).
 
 Set ``COURSE_FULL=1`` in the environment for real-sized runs; by default every lesson runs
 in a quick mode small enough for a laptop CPU.
