@@ -6,21 +6,25 @@ text, stage, kind, micro-batch: ``"2F0"`` (stage 2's forward of micro-batch 0), 
 whole backward), ``"2I0"`` and ``"2W0"`` (the backward split in two: the gradient of the stage's
 input, then the gradients of its weights; the zero-bubble paper calls them B and W),
 ``"2SEND_F0"``, ``"3RECV_F0"``, ``"3SEND_B0"``, ``"2RECV_B0"`` (the messages, in lists lowered
-"with comms"; a transfer is named by the stage on the acting rank), and DualPipeV's pairs
-``"(4F4;3B0)OVERLAP_F_B"``, a forward and a backward issued together. A rank's list may also be
-one string of actions separated by spaces. ``None`` or ``""`` is an idle slot; ``REDUCE_GRAD``,
-``UNSHARD`` and ``RESHARD`` are ignored here.
+"with comms"; a transfer is named by the stage on the acting rank), ``"2WAIT_SEND_F0"``,
+``"3WAIT_SEND_B0"`` (torch 2.15 on: wait there until that send is done, that is until the peer
+has posted its receive; earlier releases wait for all sends at the end of the step), and
+DualPipeV's pairs ``"(4F4;3B0)OVERLAP_F_B"``, a forward and a backward issued together. A rank's
+list may also be one string of actions separated by spaces. ``None`` or ``""`` is an idle slot;
+``UNSHARD``, ``RESHARD`` (FSDP), ``REDUCE_GRAD`` and ``WAIT_REDUCE_GRAD`` (the gradients'
+reduction over data-parallel replicas, started and, from 2.15 on, waited for) are ignored: no
+stage waits for them. A wait is neither compute nor a message: it takes no time and is not
+drawn or counted, but :func:`check` checks where it is and :func:`simulate` waits at it.
 
 - :func:`torch_order`: a built-in schedule's lists, made by torch's own class (no processes);
-  :func:`torch_lower`: lists with the sends and receives torch's runtime adds before it runs them.
+  :func:`torch_lower`: the lists with what torch's runtime adds before it runs them.
 - :func:`check`: every stage on one rank; every micro-batch's F once and B once (or I and W once)
-  per stage; each action after what it needs; every send with its receive; no deadlock. Raises
-  ``ValueError`` saying what is wrong, else returns :func:`simulate`'s timeline.
+  per stage; each action after what it needs; every send with its receive (and its wait); no
+  deadlock. Raises ``ValueError`` saying what is wrong, else returns :func:`simulate`'s timeline.
 - :func:`simulate`: when each action runs if every rank works through its list in order and an
   action waits for its inputs; costs in units of one forward of one stage (:data:`COST`).
-- :func:`bubble`, :func:`peak_in_flight`, :func:`messages`: idle time over compute time, the
-  activations a rank holds at its peak, the point-to-point messages of one step.
-- :func:`draw`: a timeline, simulated or measured, as ranks x time.
+- :func:`bubble`, :func:`peak_in_flight`, :func:`messages`, :func:`draw`: idle time over compute
+  time, the activations a rank holds at its peak, the messages of one step; ranks x time.
 
 The toolkit looks at schedules; it makes none (torch's classes do, or you do).
 """
@@ -34,18 +38,20 @@ COMPUTE = ("F", "B", "I", "W")
 #: message kind -> the compute kind whose result it carries
 SENDS = {"SEND_F": "F", "SEND_B": "B"}
 RECVS = {"RECV_F": "F", "RECV_B": "B"}
-IGNORED = ("REDUCE_GRAD", "UNSHARD", "RESHARD")
+#: wait kind -> the send it waits for (torch 2.15 on)
+WAITS = {"WAIT_SEND_F": "SEND_F", "WAIT_SEND_B": "SEND_B"}
+IGNORED = ("REDUCE_GRAD", "WAIT_REDUCE_GRAD", "UNSHARD", "RESHARD")
 #: Cost of each action of a stage, in forwards: a whole backward costs two (input and weight
 #: gradients, one each, as for a matrix product). A rank holding v stages runs each in 1 / v.
 COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 COLOURS = {"F": "tab:blue", "B": "tab:orange", "I": "gold", "W": "tab:green"}
 
-_ACTION = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|UNSHARD|RESHARD|F|B|I|W)(\d*)")
+_ACTION = re.compile(r"(\d+)(" + "|".join([*WAITS, *IGNORED, *SENDS, *RECVS, *COMPUTE]) + r")(\d*)")
 _PAIR = re.compile(r"\((.*)\)OVERLAP_F_B")
 
 
 class Op(NamedTuple):
-    """One action: stage index, kind (F, B, I, W, SEND_F, ...), micro-batch."""
+    """One action: stage index, kind (F, B, I, W, SEND_F, WAIT_SEND_F, ...), micro-batch."""
     stage: int
     kind: str
     mb: int
@@ -144,9 +150,11 @@ def torch_order(schedule, p: int, m: int, v: int = 1, with_comms: bool = False) 
 
 def torch_lower(schedule, m: int) -> dict:
     """Compute-only lists lowered as ``_PipelineScheduleRuntime`` does before it runs them: torch
-    validates them (``_validate_schedule``, AssertionError) and adds the sends and receives
-    (``_add_send_recv``, AssertionError if it cannot place them) and its own UNSHARD, RESHARD and
-    REDUCE_GRAD. Returns ``{rank: [_Action, ...]}``; idle slots and non-compute entries dropped."""
+    validates them (``_validate_schedule``, AssertionError), adds the sends and receives
+    (``_add_send_recv``, AssertionError if it cannot place them), its UNSHARD, RESHARD and
+    REDUCE_GRAD, and from 2.15 on a WAIT_SEND_F or WAIT_SEND_B per send (a forward's after the
+    sending stage's backward of that micro-batch, a backward's at the end) and a WAIT_REDUCE_GRAD
+    per REDUCE_GRAD. Returns ``{rank: [_Action, ...]}`` (of the input, only compute is read)."""
     from torch.distributed.pipelining import schedules as torch_schedules
 
     parsed = parse(schedule)
@@ -169,8 +177,9 @@ def check(schedule, n_micro: int | None = None, cost: dict | None = None, latenc
     one more than the largest micro-batch named) one F, and one B or one I and one W; on its
     rank, B or I after that micro-batch's F and W after its I; where the lists name messages
     (lowered with comms), each transfer between ranks has one send after the action that computes
-    it and one receive before the action that uses it, and no other message is named; and,
-    simulated, every rank reaches the end of its list (no deadlock)."""
+    it and one receive before the action that uses it, and no other message is named; where the
+    lists name waits (torch 2.15 on), each send has one wait after it on its rank and no wait is
+    without its send; and, simulated, every rank reaches the end of its list (no deadlock)."""
     parsed = parse(schedule)
     where = stage_ranks(parsed)
     ops = _ops(parsed)
@@ -197,6 +206,8 @@ def check(schedule, n_micro: int | None = None, cost: dict | None = None, latenc
             raise ValueError(f"rank {rank}: {op} comes before {Op(op.stage, need, op.mb)}, which it needs")
     if any(op.kind in SENDS or op.kind in RECVS for _, _, op in ops):
         _check_messages(parsed, where, position, len(where))
+    if any(op.kind in WAITS for _, _, op in ops):
+        _check_waits(ops, position)
     return simulate(parsed, cost, latency)
 
 
@@ -228,13 +239,28 @@ def _check_messages(parsed, where, position, n_stages):
             raise ValueError(f"rank {where.get(message.stage, '?')} names {message}, a message no transfer needs")
 
 
+def _check_waits(ops, position):
+    named = Counter(op for _, _, op in ops if op.kind in WAITS)
+    for rank, i, op in ops:
+        if op.kind in SENDS:
+            wait = Op(op.stage, "WAIT_" + op.kind, op.mb)
+            if named[wait] != 1:
+                raise ValueError(f"rank {rank} names {wait} {named[wait]} times; {op} needs it once")
+            if position[wait][1] <= i:
+                raise ValueError(f"rank {rank}: {wait} comes before {op}, the send it waits for")
+        elif op.kind in WAITS and Op(op.stage, WAITS[op.kind], op.mb) not in position:
+            raise ValueError(f"rank {rank} names {op}, a wait for a send no list names")
+
+
 def simulate(schedule, cost: dict | None = None, latency: float = 0.0) -> dict:
     """``{rank: [(op, start, end), ...]}``: every rank runs its list in order, each action as soon
     as the rank is free and its inputs are there (a pair when both of its actions' are, as torch's
-    lowering places it; then its forward and its backward, one after the other): F after the previous stage's F of that
-    micro-batch, B or I after the next stage's B or I (the last stage's after its own F), W after
-    its I; ``latency`` more when they come from another rank (in lists with messages, from the
-    send's time). Messages take no time of their own. ValueError if the ranks get stuck (a
+    lowering places it; then its forward and its backward, one after the other): F after the
+    previous stage's F of that micro-batch, B or I after the next stage's B or I (the last
+    stage's after its own F), W after its I; ``latency`` more when they come from another rank
+    (in lists with messages, from the send's time). Messages and waits take no time; a wait holds
+    its rank until its send has arrived and the peer has reached the matching receive (torch's
+    rule: a send completes once its receive is posted). ValueError if the ranks get stuck (a
     deadlock), naming what each waits for."""
     parsed = parse(schedule)
     cost = dict(COST, **(cost or {}))
@@ -260,6 +286,10 @@ def simulate(schedule, cost: dict | None = None, latency: float = 0.0) -> dict:
     def ready(op: Op):
         if op.kind in RECVS:
             return 0.0
+        if op.kind in WAITS:
+            send = Op(op.stage, WAITS[op.kind], op.mb)
+            recv = Op(op.stage + (1 if send.kind == "SEND_F" else -1), "RECV" + send.kind[4:], op.mb)
+            return max(done[send] + latency, done[recv]) if send in done and recv in done else None
         if op.kind in SENDS:
             produced = [Op(op.stage, k, op.mb) for k in (("F",) if op.kind == "SEND_F" else ("B", "I"))]
             return next((done[p] for p in produced if p in done), None)
@@ -325,8 +355,8 @@ def span(timeline: dict) -> float:
 def peak_in_flight(schedule) -> list[int]:
     """Per rank, the most (stage, micro-batch) activations held at once, in list order: one more
     at each F, one fewer at each B or W (after an I the stage still keeps what its W needs: each
-    layer's input and the gradient of its output). In one stage's activations: divide by v for
-    a rank that holds v smaller stages. For a timeline, count ``order(timeline)``."""
+    layer's input and the gradient of its output; messages and waits count nothing). In one
+    stage's activations: divide by v for a rank that holds v smaller stages. For a timeline, count ``order(timeline)``."""
     parsed = parse(schedule)
     peaks = []
     for rank in sorted(parsed):
@@ -347,7 +377,8 @@ def order(timeline: dict) -> dict:
 
 def messages(schedule) -> int:
     """Point-to-point messages in one step: each F whose next stage is on another rank sends its
-    activation, each B or I whose previous stage is on another rank sends that input's gradient."""
+    activation, each B or I whose previous stage is on another rank sends that input's gradient
+    (counted from the compute actions: named sends, receives and waits add nothing)."""
     parsed = parse(schedule)
     where = stage_ranks(parsed)
     compute = [op for _, _, op in _ops(parsed) if op.kind in COMPUTE]
@@ -357,7 +388,7 @@ def messages(schedule) -> int:
 def draw(ax, timeline: dict, title: str = "", scale: float = 1.0, unit: str = "forwards"):
     """Ranks as rows, time across (``scale`` times the timeline's unit, e.g. 1e3 for seconds
     -> ms): F blue, B orange, I yellow, W green, the micro-batch written in; a rank's later
-    stages (when it holds several) hatched."""
+    stages (when it holds several) hatched. Only compute is drawn (timelines hold nothing else)."""
     t0 = min(start for rank in timeline.values() for _, start, _ in rank)
     where = {op.stage: rank for rank, entries in timeline.items() for op, _, _ in entries}
     first = {rank: min((s for s, r in where.items() if r == rank), default=None) for rank in timeline}

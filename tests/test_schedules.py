@@ -20,10 +20,11 @@ CROSSED = {0: "0F0 0B0 0F1 0B1", 1: "1F0 1F1 1B0 1B1"}
 def test_parse_reads_text_objects_pairs_and_skips_the_rest():
     from torch.distributed.pipelining.schedules import _Action
 
-    parsed = sch.parse({0: ["0F0", None, "", "0I0", "0REDUCE_GRAD", "0W0"], 1: "1F0  1B0"})
+    parsed = sch.parse({0: ["0F0", None, "", "0I0", "0REDUCE_GRAD", "0WAIT_REDUCE_GRAD", "0W0"], 1: "1F0  1B0"})
     assert parsed[0] == [(Op(0, "F", 0),), (Op(0, "I", 0),), (Op(0, "W", 0),)]
     assert parsed[1] == [(Op(1, "F", 0),), (Op(1, "B", 0),)]
     assert sch.parse([[_Action.from_str("3SEND_F12")]]) == {0: [(Op(3, "SEND_F", 12),)]}
+    assert sch.parse_action("3WAIT_SEND_B1") == (Op(3, "WAIT_SEND_B", 1),)
     pair = _Action.from_str("(4F4;3B0)OVERLAP_F_B")
     assert sch.parse_action(pair) == (Op(4, "F", 4), Op(3, "B", 0)) == sch.parse_action(str(pair))
     for wrong in ("2X0", "2F", "F0", "(1F0;2F1)OVERLAP_F_B"):
@@ -126,6 +127,63 @@ def test_a_send_posted_too_late_is_a_deadlock():
     lists = {0: "0F0 0RECV_B0 0B0 0SEND_F0", 1: "1RECV_F0 1F0 1B0 1SEND_B0"}
     with pytest.raises(ValueError, match=r"deadlock: no rank can go on \(rank 0 at 0B0; rank 1 at 1F0\)"):
         sch.check(lists)
+
+
+#: GPipe's lists above lowered with messages and the waits for the sends where torch 2.15 puts
+#: them (a forward's after the sending stage's backward of that micro-batch, a backward's at the end)
+WAITED = {0: "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0WAIT_SEND_F0 0RECV_B1 0B1 0WAIT_SEND_F1",
+          1: "1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1 1WAIT_SEND_B0 1WAIT_SEND_B1"}
+
+
+def test_waits_are_checked_and_hold_their_rank_until_the_receive():
+    """A wait is no compute and no message: it changes no count and takes no time, but every send
+    needs one after it, and it holds its rank until the peer has posted the matching receive."""
+    timeline = sch.check(WAITED)
+    assert sch.order(timeline) == {r: a.split() for r, a in GPIPE.items()} and sch.span(timeline) == 9
+    assert sch.messages(WAITED) == sch.messages(GPIPE) and sch.peak_in_flight(WAITED) == [2, 2]
+
+    def edited(rank, old, new, lists=WAITED):
+        return {**lists, rank: lists[rank].replace(old, new)}
+
+    for lists, message in [
+        (edited(1, " 1WAIT_SEND_B1", ""), "rank 1 names 1WAIT_SEND_B1 0 times; 1SEND_B1 needs it once"),
+        (edited(1, "1WAIT_SEND_B1", "1WAIT_SEND_B1 1WAIT_SEND_B1"), "names 1WAIT_SEND_B1 2 times"),
+        (edited(0, "0F1 0SEND_F1", "0F1 0WAIT_SEND_F1 0SEND_F1", edited(0, " 0WAIT_SEND_F1", "")),
+         "0WAIT_SEND_F1 comes before 0SEND_F1"),
+        (edited(0, "0B1", "0B1 0WAIT_SEND_B1"), "0WAIT_SEND_B1, a wait for a send no list names"),
+    ]:
+        with pytest.raises(ValueError) as error:
+            sch.check(lists)
+        assert message in str(error.value)
+    # rank 1 posts the receive of micro-batch 0 after its forward of micro-batch 1: without waits
+    # that is fine; with rank 0 waiting for the send of micro-batch 0 before it sends micro-batch 1,
+    # rank 0 waits for rank 1, which waits for rank 0
+    late = {0: "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0RECV_B1 0B0 0B1",
+            1: "1RECV_F1 1F1 1RECV_F0 1F0 1B0 1SEND_B0 1B1 1SEND_B1"}
+    sch.check(late)
+    with pytest.raises(ValueError, match=r"deadlock: no rank can go on \(rank 0 at 0WAIT_SEND_F0; rank 1 at 1F1\)"):
+        sch.check({0: late[0].replace("0SEND_F0", "0SEND_F0 0WAIT_SEND_F0") + " 0WAIT_SEND_F1",
+                   1: late[1] + " 1WAIT_SEND_B0 1WAIT_SEND_B1"})
+    # a wait lasts until its message has arrived: with a latency of 0.5, rank 0's second forward
+    # starts at 1.5 instead of 1 when a wait for the first send comes before it
+    early = edited(0, "0SEND_F0", "0SEND_F0 0WAIT_SEND_F0", edited(0, " 0WAIT_SEND_F0", ""))
+    assert sch.simulate(WAITED, latency=0.5)[0][1][1:] == (1, 2)
+    assert sch.simulate(early, latency=0.5)[0][1][1:] == (1.5, 2.5)
+
+
+def test_torch_names_the_waits_for_its_sends_from_2_15_on():
+    """Release-specific: torch 2.15's lowering adds a WAIT_SEND_F or WAIT_SEND_B for every send
+    (its runtime retires a send only there) and a WAIT_REDUCE_GRAD after each REDUCE_GRAD; earlier
+    releases wait for all sends at the end of the step and name no wait. Either way the lists pass."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    lowered = {rank: [str(a) for a in actions] for rank, actions in sch.torch_lower(GPIPE, 2).items()}
+    names_waits = hasattr(_ComputationType, "WAIT_SEND_F")
+    assert (sch.parse(lowered) == sch.parse(WAITED)) == names_waits       # UNSHARD etc. left out
+    waits = [a for actions in lowered.values() for a in actions if "WAIT_SEND" in a]
+    sends = [a for actions in lowered.values() for a in actions if a[1:5] == "SEND"]
+    assert len(waits) == (len(sends) if names_waits else 0) and len(sends) == 4
+    assert sch.span(sch.check(lowered)) == 9
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
