@@ -344,15 +344,19 @@ def test_the_lessons_atomic_write_earns_less_than_part_2(offline_env, tmp_path):
     for cell in nb.cells:
         if grade_id(cell) in ("save_checkpoint", "load_latest") and cell.cell_type == "code":
             cell.source = LESSON_SAVE if grade_id(cell) == "save_checkpoint" else GLOB_LOAD
-    path = tmp_path / "lesson.ipynb"
+    report, failed = _only_the_keep_check_fails(nb, tmp_path / "lesson.ipynb", offline_env)
+    assert report["score"] == 4, report["stdout"]
+    assert "expected less than 3 times" in failed["message"], failed
+
+
+def _only_the_keep_check_fails(nb, path, env):
+    """``nb`` graded on Part 2 alone: only the check of keep and damage fails; the report and
+    that check's result."""
     nbformat.write(nb, path)
-    report = grade(path, "--only", "save_checkpoint,load_latest", "--speed", "skip",
-                   env=offline_env)
+    report = grade(path, "--only", "save_checkpoint,load_latest", "--speed", "skip", env=env)
     print(report["stdout"])
     assert_only_these_checks_fail(report, {"checkpoint_keeps_the_last_k_and_skips_a_damaged_one"})
-    assert report["score"] == 4, report["stdout"]
-    failed = next(r for r in report["results"] if r["status"] == "failed")
-    assert "expected less than 3 times" in failed["message"], failed
+    return report, next(r for r in report["results"] if r["status"] == "failed")
 
 
 @pytest.mark.full
@@ -372,13 +376,7 @@ def test_a_loader_that_checks_only_its_manifest_loads_a_damaged_tensor_file(offl
     answers = {k: v.replace(check, "") for k, v in answers.items()}
     nb = nbformat.read(RELEASE, as_version=4)
     paste_answers(nb, answers)
-    path = tmp_path / "manifest_only.ipynb"
-    nbformat.write(nb, path)
-    report = grade(path, "--only", "save_checkpoint,load_latest", "--speed", "skip",
-                   env=offline_env)
-    print(report["stdout"])
-    assert_only_these_checks_fail(report, {"checkpoint_keeps_the_last_k_and_skips_a_damaged_one"})
-    failed = next(r for r in report["results"] if r["status"] == "failed")
+    _, failed = _only_the_keep_check_fails(nb, tmp_path / "manifest_only.ipynb", offline_env)
     assert "alone (a file step 5's save created or changed)" in failed["message"], failed
 
 

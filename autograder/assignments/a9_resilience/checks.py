@@ -41,7 +41,7 @@ from autograder.keys import answer_key
 from . import expected as E
 from . import faults
 from .judging import (judge_commit, judge_flushes, judge_keep, judge_load, judge_overlap,
-                      judge_trials)
+                      judge_trials, value)
 from .probes import (probe_async, probe_async_begin, probe_async_end, probe_async_overlap,
                      probe_async_start, probe_async_wait, probe_diagnose, probe_diagnose_errors,
                      probe_resumable)
@@ -86,28 +86,16 @@ def _judge_diagnoses(replies, cases, wants, where):
         got = reply["result"]
         if want is None:
             assert got.get("t") == "None", (
-                f"diagnose should return None for {what} ({where}); got {_value(got)}:\n"
+                f"diagnose should return None for {what} ({where}); got {value(got)}:\n"
                 + _show(traces))
             continue
         assert got.get("t") == "dict" and list(got.get("keys", [])) == ["str"] * len(got["v"]) \
             and set(got["v"]) == set(want), (
                 f"diagnose should return a dict with exactly the keys {sorted(want)} for {what}; "
-                f"got {_value(got)}")
-        value = _value(got)
-        assert value == want, (f"diagnose is {value} for {what}; expected {want} ({where}):\n"
+                f"got {value(got)}")
+        found = value(got)
+        assert found == want, (f"diagnose is {found} for {what}; expected {want} ({where}):\n"
                                + _show(traces))
-
-
-def _value(desc):
-    """The plain value of a probe's description (types kept apart: 1.0 is not 1)."""
-    t, v = desc.get("t"), desc.get("v")
-    if t == "dict":
-        return {k: _value(x) for k, x in v.items()}
-    if t in ("list", "tuple"):
-        return [_value(x) for x in v] if t == "list" else ("tuple", [_value(x) for x in v])
-    if t in ("int", "str", "bool", "None"):
-        return v
-    return f"<{t}>" if t != "float" else ("float", v)
 
 
 @graded

@@ -36,34 +36,49 @@ def _identity(fd):
     return st.st_dev, st.st_ino, st.st_size
 
 
+def wrap_calls(targets, wrap):
+    """Replace each ``(module name, attribute)`` of ``targets`` by ``wrap(original,
+    "module.attribute")``; returns the undo (which puts the originals back)."""
+    import importlib
+
+    saved = []
+    for module_name, attr in targets:
+        module = importlib.import_module(module_name)
+        original = getattr(module, attr)
+        saved.append((module, attr, original))
+        setattr(module, attr, wrap(original, f"{module_name}.{attr}"))
+
+    def undo():
+        for module, attr, original in reversed(saved):
+            setattr(module, attr, original)
+    return undo
+
+
 def install_hooks(plan, report, synced=None):
     """Wrap the file-system functions of :data:`HOOKED`: each call is an event; ``plan`` =
     (k, "before" | "after") kills this process at the k-th event (after: once it returned or
     raised); ``report(name)`` notes it; ``synced(dev, ino, size)`` notes each flush of
     :data:`SYNCS` that returned (the file's identity and its size at the call)."""
-    import importlib
-
     count = [0]
-    for module_name, attr in HOOKED:
-        module = importlib.import_module(module_name)
-        original = getattr(module, attr)
 
-        def hooked(*args, __original=original, __name=f"{module_name}.{attr}", **kwargs):
+    def wrap(original, name):
+        def hooked(*args, **kwargs):
             k = count[0]
             count[0] += 1
-            report(__name)
+            report(name)
             if plan and plan == (k, "before"):
                 os.kill(os.getpid(), signal.SIGKILL)
-            flushed = _identity(args[0]) if synced and __name in SYNCS and args else None
+            flushed = _identity(args[0]) if synced and name in SYNCS and args else None
             try:
-                result = __original(*args, **kwargs)
+                result = original(*args, **kwargs)
             finally:  # after a call that raised too (os.mkdir of a folder that exists)
                 if plan and plan == (k, "after"):
                     os.kill(os.getpid(), signal.SIGKILL)
             if flushed:
                 synced(*flushed)
             return result
-        setattr(module, attr, hooked)
+        return hooked
+    wrap_calls(HOOKED, wrap)
 
 
 def run_child(body, on_go=None, timeout=CHILD_TIMEOUT):

@@ -19,6 +19,7 @@ import torch
 from autograder.checking.probes import error_of, plain, student_function
 
 from . import expected as E
+from .children import wrap_calls
 from .children import error_text as _error
 from .saving import load_into_blank
 from .spec import SPEC
@@ -141,27 +142,19 @@ def _gate(released):
     """Hold every thread but the main one at its first call of :data:`GATED` until
     ``released`` is set, at most 2 s (a save that waits for its own writer inside async_save
     goes on after that, slower but not stuck); returns the undo."""
-    import importlib
     import threading
 
-    saved, held = [], set()
-    for module_name, attr in GATED:
-        module = importlib.import_module(module_name)
-        original = getattr(module, attr)
+    held = set()
 
-        def gated(*args, __original=original, **kwargs):
+    def wrap(original, _name):
+        def gated(*args, **kwargs):
             me = threading.current_thread()
             if me is not threading.main_thread() and me.ident not in held:
                 held.add(me.ident)
                 released.wait(2.0)
-            return __original(*args, **kwargs)
-        saved.append((module, attr, original))
-        setattr(module, attr, gated)
-
-    def undo():
-        for module, attr, original in reversed(saved):
-            setattr(module, attr, original)
-    return undo
+            return original(*args, **kwargs)
+        return gated
+    return wrap_calls(GATED, wrap)
 
 
 def _mutate(state):
@@ -215,16 +208,13 @@ def _hold_after_open(held, released, armed):
     """Hold the first thread but the main one that returns from a call of :data:`OPENS` until
     ``released`` is set, at most :data:`HOLD` s (``held`` is set meanwhile), while ``armed``
     (a list: ``armed[0]``) is true; returns the undo."""
-    import importlib
     import threading
 
-    saved, lock = [], threading.Lock()
-    for module_name, attr in OPENS:
-        module = importlib.import_module(module_name)
-        original = getattr(module, attr)
+    lock = threading.Lock()
 
-        def holding(*args, __original=original, **kwargs):
-            result = __original(*args, **kwargs)
+    def wrap(original, _name):
+        def holding(*args, **kwargs):
+            result = original(*args, **kwargs)
             if threading.current_thread() is not threading.main_thread():
                 with lock:
                     mine, armed[0] = armed[0], False
@@ -232,13 +222,8 @@ def _hold_after_open(held, released, armed):
                     held.set()
                     released.wait(HOLD)
             return result
-        saved.append((module, attr, original))
-        setattr(module, attr, holding)
-
-    def undo():
-        for module, attr, original in reversed(saved):
-            setattr(module, attr, original)
-    return undo
+        return holding
+    return wrap_calls(OPENS, wrap)
 
 
 def _wait(handle, which, errors):
