@@ -49,6 +49,7 @@ ASSIGNMENTS: dict[str, Assignment] = {a.name: a for a in [
     Assignment("a7_expert_parallel", "expert_parallel.ipynb"),
     Assignment("a8_composition", "composition.ipynb"),
     Assignment("a9_resilience", "resilience.ipynb"),
+    Assignment("a10_pipeline_schedules", "pipeline_schedules.ipynb"),
 ]}
 
 
