@@ -1,5 +1,5 @@
 """What a grading sends into its student sandboxes, and what of ``solutions/`` is in it: the
-recording driver and the leak search that tests/test_no_reference_in_sandbox.py (A3-A9) and
+recording driver and the leak search that tests/test_no_reference_in_sandbox.py (A3-A10) and
 tests/test_a1_a2_hardening.py (A1, A2) share.
 
 :func:`record_gradings` grades each job in one fresh process whose harness sandboxes (those that

@@ -9,7 +9,7 @@ command; tests/browser_lab.py), in a temporary root, on a free port with a token
 
 - The student's lab: A1 opened, Run All, the first check's verdict shown; no nbgrader.
 - The instructor's daily loop in Formgrader (docs/instructor.md, sections 3-6), read from what
-  the pages show, not from HTTP codes: the lab has nbgrader's menu; Formgrader lists A1-A9; A1
+  the pages show, not from HTTP codes: the lab has nbgrader's menu; Formgrader lists A1-A10; A1
   is generated and released into an exchange of the test's own (``make exchange
   COURSE_EXCHANGE=...``, the documented way); a student (another user where the test can make
   one, their own folder, nbgrader's own commands, the exchange in their
@@ -187,7 +187,7 @@ def student_answers(release: Path) -> nbformat.NotebookNode:
 
 @pytest.fixture
 def course(tmp_path, tiny_data):
-    """An instructor's course directory (config and sources of A1-A9), an empty exchange
+    """An instructor's course directory (config and sources of A1-A10), an empty exchange
     (``make exchange COURSE_EXCHANGE=...``), and a student's own folder and nbgrader
     configuration naming the same exchange. The exchange and the student's folder lie in a
     folder the student can reach (pytest's are the runner's alone)."""
@@ -233,7 +233,7 @@ def test_formgrader_release_collect_autograde_feedback(course, browser, tmp_path
 
         # Manage Assignments: every assignment of solutions/, ASSIGNMENT a draft
         browser.get(f"{base}/formgrader?token={token}")
-        names = [f"a{i}_" for i in range(1, 10)]
+        names = [f"a{i}_" for i in range(1, 11)]
         wait(browser, lambda d: all(n in page_text(d) for n in names), 60)
         assert "draft" in wait(browser, lambda d: row_text(d, ASSIGNMENT, "td.status"))
 

@@ -39,11 +39,13 @@ NOTEBOOKS = {"a1_data_parallel": "data_parallel.ipynb", "a2_ddp": "ddp.ipynb",
              "a5_tensor_parallel": "tensor_parallel.ipynb",
              "a6_context_parallel": "context_parallel.ipynb",
              "a7_expert_parallel": "expert_parallel.ipynb", "a8_composition": "composition.ipynb",
-             "a9_resilience": "resilience.ipynb"}
+             "a9_resilience": "resilience.ipynb",
+             "a10_pipeline_schedules": "pipeline_schedules.ipynb"}
 STUDENTS = {"a1_data_parallel": ["alice", "bob", "carol", "dave"],
             "a2_ddp": ["alice", "bob"], "a3_model_pipeline": ["alice", "bob"],
             **{a: ["alice"] for a in ("a4_sharding", "a5_tensor_parallel", "a6_context_parallel",
-                                      "a7_expert_parallel", "a8_composition", "a9_resilience")}}
+                                      "a7_expert_parallel", "a8_composition", "a9_resilience",
+                                      "a10_pipeline_schedules")}}
 #: The assignments with written answers (markdown answer cells that a person grades).
 WRITTEN = ("a1_data_parallel", "a2_ddp", "a3_model_pipeline")
 CHEAT = ("import autograder\n"

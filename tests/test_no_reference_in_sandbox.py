@@ -2,7 +2,7 @@
 runs student code (issue 39: a submission once sent the reference's cells, which the grader had
 put into its sandbox, back out in an error message).
 
-For A3-A9, each assignment's reference notebook is graded with ``--only`` functions that call
+For A3-A10, each assignment's reference notebook is graded with ``--only`` functions that call
 other graded functions (where the grader once sent the reference's versions of those along),
 in one process whose student sandboxes record everything sent to them: the cells they load,
 the pickled objects, and every probe's arguments. The cells must be the submission's own
@@ -12,7 +12,7 @@ also have, no line of an answer key, and nothing compiled from the reference
 (``<reference ...>`` code) or loaded from a key (``autograder_answer_keys``). A speed check's
 reference sandbox (which never runs student code) is not recorded: it is not the harness's.
 
-Tier: full (seven gradings of one or two functions each in one process: 15-30 s on 2 cores,
+Tier: full (eight gradings of one or two functions each in one process: 15-30 s on 2 cores,
 over the quick tier's 20 s budget per test when the machine is busy).
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ GRADED = [
     ("a7_expert_parallel", "MoELayer"),
     ("a8_composition", "best_config"),
     ("a9_resilience", "async_save"),
+    ("a10_pipeline_schedules", "run_schedule"),  # it runs the student's own generators
 ]
 
 @pytest.mark.full
