@@ -147,7 +147,8 @@ def _random_stage(rng: random.Random, g: torch.Generator):
     return torch.nn.Sequential(*layers), x, torch.randn(rows, widths[-1], generator=g, dtype=torch.float64)
 
 
-def _autograd(stage, x, grad_output):
+def _autograd(stage, x, grad_output) -> dict:
+    """What autograd gives on the whole stage: ``{"input": x's gradient, "weights": [...]}``."""
     x = x.clone().requires_grad_()
     for p in stage.parameters():
         p.grad = None
@@ -155,7 +156,7 @@ def _autograd(stage, x, grad_output):
     grads = [p.grad.clone() for p in stage.parameters()]
     for p in stage.parameters():
         p.grad = None
-    return x.grad, grads
+    return {"input": x.grad, "weights": grads}
 
 
 def _close(actual, expected, what):
@@ -178,7 +179,7 @@ def test_backward_input_matches_autograd(student):
     for i, ((stage, x, grad_output), reply) in enumerate(zip(cases, replies)):
         what = f"backward_input(stage, x, grad_output) with stage = {stage}, x of shape {tuple(x.shape)}"
         assert "bad" not in reply, f"{what}: {reply['bad']}"
-        want, _ = _autograd(stage, x, grad_output)
+        want = _autograd(stage, x, grad_output)["input"]
         got = tensor(reply["grad_input"], f"{what}: grad_input")["value"]
         _close(got, want, f"{what}: grad_input")
         assert not any(reply["grads"]), f"{what} changed a parameter's .grad; only backward_weight may"
@@ -217,7 +218,7 @@ def test_backward_weight_delayed_and_reordered_matches_autograd(student):
         got = student.call(probe_backward_weight, stage, xs, gos, order, start)
         want = [torch.zeros_like(p) if s is None else s.clone() for p, s in zip(stage.parameters(), start)]
         for xi, gi in zip(xs, gos):
-            for w, grad in zip(want, _autograd(stage, xi, gi)[1]):
+            for w, grad in zip(want, _autograd(stage, xi, gi)["weights"]):
                 w += grad
         what = (f"backward_weight after backward_input on 3 micro-batches, called in the order "
                 f"{order}, with stage = {stage}")
