@@ -4,7 +4,8 @@ A speed check times round trips of probe calls into the student's sandbox, whose
 submission controls: a cell can replace a probe (they are looked up by module and name on each
 call) with one that returns at once. Each speed check therefore compares the work its timed
 ranks report (A3: the state after its steps; A2, A4: the commands completed, which redo the
-same work; A9: the async_save calls made, the last save loaded back) with what the grader sent,
+same work; A9: the async_save calls made, the last save loaded back; A10: the steps run, the last
+one's gradients, on inputs that change every step) with what the grader sent,
 and fails "the timed run did N ... where the grader asked for M: a timed call returned without
 doing its work" otherwise, before it decides to SKIP: on a busy machine, where even the
 reference cannot show a speedup, a wrong count still fails (the timed code is then not verified
@@ -220,7 +221,9 @@ def test_a2_timed_ring_and_training_that_skip_their_work_fail(offline_env, tmp_p
      "pipeline_train_step_speedup_two_cpu_processes", 600),
     ("a4_sharding/sharding.ipynb", "BucketedDDP", "BucketedDDP",
      "bucketed_ddp_step_time_against_the_reference", 900),
-], ids=["a3", "a4"])
+    ("a10_pipeline_schedules/pipeline_schedules.ipynb", "run_schedule", "run_schedule_speedup",
+     "run_schedule_speedup_two_cpu_processes", 600),
+], ids=["a3", "a4", "a10"])
 def test_timed_steps_that_skip_their_work_fail(offline_env, tmp_path, notebook, function, only,
                                                check, timeout):
     path = cheating(REPO / "solutions" / notebook, tmp_path, function, SKIP_REPEATED_COMMANDS)
@@ -237,3 +240,38 @@ def test_a9_timed_saves_that_skip_their_work_fail(offline_env, tmp_path):
     report = grade(path, "--only", "async_save_speedup", env=offline_env, timeout=600)
     assert_fails_for_skipped_work(report, "async_save_returns_before_the_save_is_written", "0",
                                   "saves")
+
+
+#: run_schedule keeps the gradients of its first call and hands them back at once after it
+#: (A10): the timed steps do no pipeline at all.
+REPLAY_FIRST_GRADIENTS = '''
+
+_first_run, _kept = run_schedule, {}
+
+
+def run_schedule(schedule, stages, inputs, targets, loss_fn):
+    key = tuple(sorted(stages))
+    if key not in _kept:
+        timeline = _first_run(schedule, stages, inputs, targets, loss_fn)
+        _kept[key] = (timeline, {s: [p.grad.clone() for p in stages[s].parameters()] for s in stages})
+    timeline, grads = _kept[key]
+    for s, kept in grads.items():
+        for p, g in zip(stages[s].parameters(), kept):
+            p.grad = g.clone()
+    return timeline
+'''
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_a10_timed_steps_that_replay_their_first_gradients_fail(offline_env, tmp_path):
+    """The timed run's inputs change every step, so a step replayed from the first one leaves
+    wrong gradients, checked after the rounds (even where the speed is then SKIPPED)."""
+    path = cheating(REPO / "solutions" / "a10_pipeline_schedules" / "pipeline_schedules.ipynb",
+                    tmp_path, "run_schedule", REPLAY_FIRST_GRADIENTS)
+    report = grade(path, "--only", "run_schedule_speedup", env=offline_env, timeout=600)
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    result = next(r for r in report["results"]
+                  if r["name"] == "run_schedule_speedup_two_cpu_processes")
+    assert result["status"] == "failed" and result["points"] == 0, result
+    assert "wrong gradients after the last step" in result["message"], result

@@ -26,7 +26,7 @@ from . import judging as J
 from .probes import (probe_backward_input, probe_backward_weight, probe_generate, probe_refusals,
                      probe_run_cases, probe_value_errors)
 from .ranks import (SPEED_DEPTH, SPEED_M, SPEED_P, SPEED_ROWS, SPEED_V, SPEED_WIDTH,
-                    grader_batches, grader_stages, mse, schedule_server)
+                    grader_batches, grader_stages, mse, schedule_server, speed_scale)
 from .spec import SPEC
 
 graded = SPEC.graded
@@ -390,7 +390,8 @@ def test_run_schedule_speedup_two_cpu_processes(student):
                         "run_schedule's timed run")
         parts = grader_stages(seed, SPEED_P * SPEED_V, SPEED_WIDTH, SPEED_DEPTH, torch.float32)
         inputs, targets = grader_batches(seed, SPEED_M, SPEED_ROWS, SPEED_WIDTH, torch.float32)
-        _judge_speed_grads(results["a10-speed"], parts, inputs, targets, seed)
+        last = speed_scale(results["a10-speed"][0]["steps"] - 1)
+        _judge_speed_grads(results["a10-speed"], parts, [x * last for x in inputs], targets, seed)
 
     timed_rounds(student, ASSIGNMENT,
                  [("a10-speed", "run_schedule", schedule_server, SPEED_P, (seed, lists, placement),

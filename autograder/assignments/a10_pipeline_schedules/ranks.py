@@ -106,6 +106,11 @@ def rank_refusals(rank, world_size, fn, cases):
     return out
 
 
+def speed_scale(step: int) -> float:
+    """The timed run's inputs are scaled by this at its step ``step`` (0, 1, ...)."""
+    return 1.0 + step / 64
+
+
 def schedule_server(rank, world_size, fn, seed, schedule, placement):
     """Set-up of each rank of the speed check's ``RankServer``: this rank's stages of the float32
     model of ``seed``; the commands ``pipe`` (one step of the student's ``run_schedule`` from
@@ -121,7 +126,8 @@ def schedule_server(rank, world_size, fn, seed, schedule, placement):
         for s in mine:
             for p in parts[s].parameters():
                 p.grad = None
-        fn(copy.deepcopy(schedule), mine, inputs, targets, mse)
+        scale = speed_scale(steps[0])        # new inputs each step: no step's result is another's
+        fn(copy.deepcopy(schedule), mine, [x * scale for x in inputs], targets, mse)
         steps[0] += 1
 
     def result():
@@ -134,7 +140,8 @@ def schedule_server(rank, world_size, fn, seed, schedule, placement):
 
         def base():
             whole.zero_grad(set_to_none=True)
+            scale = speed_scale(0)
             for x, y in zip(inputs, targets):
-                (mse(whole(x), y) / SPEED_M).backward()
+                (mse(whole(x * scale), y) / SPEED_M).backward()
         commands["base"] = base
     return commands
