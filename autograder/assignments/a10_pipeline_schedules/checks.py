@@ -11,7 +11,6 @@ run against one process and the reference's speedup. Points: spec.py.
 """
 from __future__ import annotations
 
-import copy
 import random
 
 import torch
@@ -26,7 +25,7 @@ from . import judging as J
 from .probes import (probe_backward_input, probe_backward_weight, probe_generate, probe_refusals,
                      probe_run_cases, probe_value_errors)
 from .ranks import (SPEED_DEPTH, SPEED_M, SPEED_P, SPEED_ROWS, SPEED_V, SPEED_WIDTH,
-                    grader_batches, grader_stages, mse, schedule_server, speed_scale)
+                    grader_batches, grader_stages, schedule_server, speed_scale)
 from .spec import SPEC
 
 graded = SPEC.graded
@@ -289,30 +288,7 @@ def _runs(student):
 def test_run_schedule_gradients_match_one_process(student):
     for world, (named, replies) in _runs(student).items():
         for k, (what, case) in enumerate(named):
-            _judge_gradients(case, [reply[k] for reply in replies], f"run_schedule on {world} ranks, {what}")
-
-
-def _judge_gradients(case, per_rank, what):
-    want, scale = J.one_process(case)
-    sizes = [sum(1 for _ in part.parameters()) for part in
-             grader_stages(case["seed"], case["n_stages"], case["width"], case["depth"])]
-    offsets = [sum(sizes[:s]) for s in range(len(sizes))]
-    for rank, reply in enumerate(per_rank):
-        grads = reply["grads"]
-        assert sorted(grads) == case["placement"][rank], "the reply was tampered with"
-        for s, descs in grads.items():
-            for i, desc in enumerate(descs):
-                where = f"{what}: stage {s}'s parameter {i} (rank {rank})"
-                assert desc is not None, f"{where}: its .grad is None after the step"
-                got = tensor(desc, f"{where}: .grad")["value"]
-                k = offsets[s] + i
-                assert got.shape == want[k].shape and got.dtype == want[k].dtype, \
-                    f"{where}: .grad of shape {tuple(got.shape)} {got.dtype}, expected {tuple(want[k].shape)} {want[k].dtype}"
-                diff = (got - want[k]).abs()
-                bad = diff > J.tolerance(scale[k], case)
-                assert not bad.any(), (f"{where}: .grad differs from one process's by up to "
-                                       f"{diff.max().item():.3g} (the step's loss is the mean over "
-                                       f"{case['m']} micro-batches)")
+            J.judge_gradients(case, [reply[k] for reply in replies], f"run_schedule on {world} ranks, {what}")
 
 
 @graded
@@ -324,7 +300,7 @@ def test_run_schedule_random_valid_schedules(student):
     replies = student.call(probe_run_cases, 3, cases)
     assert isinstance(replies, list) and len(replies) == 3, "the reply was tampered with"
     for k, case in enumerate(cases):
-        _judge_gradients(case, [reply[k] for reply in replies],
+        J.judge_gradients(case, [reply[k] for reply in replies],
                          f"run_schedule on 3 ranks with the random schedule {case['schedule']}")
 
 
@@ -391,7 +367,7 @@ def test_run_schedule_speedup_two_cpu_processes(student):
         parts = grader_stages(seed, SPEED_P * SPEED_V, SPEED_WIDTH, SPEED_DEPTH, torch.float32)
         inputs, targets = grader_batches(seed, SPEED_M, SPEED_ROWS, SPEED_WIDTH, torch.float32)
         last = speed_scale(results["a10-speed"][0]["steps"] - 1)
-        _judge_speed_grads(results["a10-speed"], parts, [x * last for x in inputs], targets, seed)
+        J.judge_speed_gradients(results["a10-speed"], parts, [x * last for x in inputs], targets, seed)
 
     timed_rounds(student, ASSIGNMENT,
                  [("a10-speed", "run_schedule", schedule_server, SPEED_P, (seed, lists, placement),
@@ -400,26 +376,3 @@ def test_run_schedule_speedup_two_cpu_processes(student):
                  what=f"run_schedule on {SPEED_P} CPU processes (interleaved 1F1B, v = {SPEED_V}, "
                       f"m = {SPEED_M}) vs one process",
                  fixed_threshold=1.2, reference_minimum=1.2, max_rounds=9)
-
-
-def _judge_speed_grads(results, parts, inputs, targets, seed):
-    from autograder.checking.expect import float32_tolerance_of_all
-
-    whole32 = torch.nn.Sequential(*parts)
-    whole64 = torch.nn.Sequential(*[copy.deepcopy(p).double() for p in parts])
-    for model, dtype in ((whole32, torch.float32), (whole64, torch.float64)):
-        model.zero_grad(set_to_none=True)
-        for x, y in zip(inputs, targets):
-            (mse(model(x.to(dtype)), y.to(dtype)) / SPEED_M).backward()
-    want32 = [p.grad for p in whole32.parameters()]
-    want64 = [p.grad for p in whole64.parameters()]
-    tol = float32_tolerance_of_all(want64, want32)
-    per_stage = len(list(parts[0].parameters()))
-    for rank, result in enumerate(results):
-        for s, descs in result["grads"].items():
-            for i, desc in enumerate(descs):
-                got = tensor(desc, f"stage {s}'s parameter {i}: .grad")["value"]
-                k = s * per_stage + i
-                diff = (got.double() - want64[k]).abs().max().item()
-                assert diff <= tol, (f"run_schedule's timed run (seed {seed}): stage {s}'s parameter "
-                                     f"{i} has wrong gradients after the last step (off by {diff:.3g})")

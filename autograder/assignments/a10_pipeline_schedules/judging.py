@@ -5,13 +5,16 @@ timelines, and the one-process gradients. Each failure is an AssertionError the 
 """
 from __future__ import annotations
 
+import copy
 import random
 
 import torch
 
+from autograder.checking.expect import float32_tolerance_of_all, tensor
+
 from course import schedules
 
-from .ranks import grader_batches, grader_stages, mse
+from .ranks import SPEED_M, grader_batches, grader_stages, mse
 
 #: floating-point slack on a bound (the model's times are sums of multiples of 1 / v)
 SLACK = 1e-9
@@ -239,3 +242,50 @@ def judge_timelines(timelines, lists, what: str) -> None:
         for need in needs:
             assert end[need] <= t0, (f"{what}: {op} started at {t0:.6f}, before {need}, which it "
                                      f"needs, ended ({end[need]:.6f})")
+
+
+def judge_gradients(case, per_rank, what):
+    """Every rank's stages' ``.grad`` against :func:`one_process`, within :func:`tolerance`."""
+    want, scale = one_process(case)
+    sizes = [sum(1 for _ in part.parameters()) for part in
+             grader_stages(case["seed"], case["n_stages"], case["width"], case["depth"])]
+    offsets = [sum(sizes[:s]) for s in range(len(sizes))]
+    for rank, reply in enumerate(per_rank):
+        grads = reply["grads"]
+        assert sorted(grads) == case["placement"][rank], "the reply was tampered with"
+        for s, descs in grads.items():
+            for i, desc in enumerate(descs):
+                where = f"{what}: stage {s}'s parameter {i} (rank {rank})"
+                assert desc is not None, f"{where}: its .grad is None after the step"
+                got = tensor(desc, f"{where}: .grad")["value"]
+                k = offsets[s] + i
+                assert got.shape == want[k].shape and got.dtype == want[k].dtype, \
+                    f"{where}: .grad of shape {tuple(got.shape)} {got.dtype}, expected {tuple(want[k].shape)} {want[k].dtype}"
+                diff = (got - want[k]).abs()
+                bad = diff > tolerance(scale[k], case)
+                assert not bad.any(), (f"{where}: .grad differs from one process's by up to "
+                                       f"{diff.max().item():.3g} (the step's loss is the mean over "
+                                       f"{case['m']} micro-batches)")
+
+
+def judge_speed_gradients(results, parts, inputs, targets, seed):
+    """The timed run's last step (float32) against one float64 process, within the stray of a
+    float32 one (:func:`~autograder.checking.expect.float32_tolerance_of_all`)."""
+    whole32 = torch.nn.Sequential(*parts)
+    whole64 = torch.nn.Sequential(*[copy.deepcopy(p).double() for p in parts])
+    for model, dtype in ((whole32, torch.float32), (whole64, torch.float64)):
+        model.zero_grad(set_to_none=True)
+        for x, y in zip(inputs, targets):
+            (mse(model(x.to(dtype)), y.to(dtype)) / SPEED_M).backward()
+    want32 = [p.grad for p in whole32.parameters()]
+    want64 = [p.grad for p in whole64.parameters()]
+    tol = float32_tolerance_of_all(want64, want32)
+    per_stage = len(list(parts[0].parameters()))
+    for rank, result in enumerate(results):
+        for s, descs in result["grads"].items():
+            for i, desc in enumerate(descs):
+                got = tensor(desc, f"stage {s}'s parameter {i}: .grad")["value"]
+                k = s * per_stage + i
+                diff = (got.double() - want64[k]).abs().max().item()
+                assert diff <= tol, (f"run_schedule's timed run (seed {seed}): stage {s}'s parameter "
+                                     f"{i} has wrong gradients after the last step (off by {diff:.3g})")
