@@ -126,7 +126,10 @@ def probe_backward_input(ns, cases):
         packed = []
 
         def pack(t):
-            holder = _Packed(t)
+            # detached: a saved output held as itself would tie its own graph into a cycle
+            # through C++ that no collector frees (Tanh, ReLU save their result), and a correct
+            # backward_input with retain_graph=True would seem to keep a graph alive
+            holder = _Packed(t.detach())
             packed.append(weakref.ref(holder))
             return holder
 
