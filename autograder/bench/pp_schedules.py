@@ -28,7 +28,8 @@ or a V). One step is one ``schedule.step`` over m micro-batches of ``--rows`` ro
   (largest relative difference < 1e-10).
 
 A schedule torch refuses for (p, m) (its constructor's ValueError) is a row that says why. The
-ranks are CPU processes on gloo, one thread each, standing in for GPUs.
+ranks are CPU processes on gloo, one thread each, standing in for GPUs (GPUs on NCCL where
+there is one per process).
 """
 from __future__ import annotations
 
@@ -140,13 +141,17 @@ class _Kept:
             self.counter.add(self.key, -1)
 
 
-def record(stage, records: list):
+def record(stage, records: list, device):
     """Note (stage, kind, micro-batch, start, end) of every F, B, I and W the stage runs (as
     lesson 18 does)."""
+    from course.devices import synchronize
+
     def timed(method, kind_of):
         def call(mb, *args, **kwargs):
+            synchronize([device])
             start = time.perf_counter()
             out = method(mb, *args, **kwargs)
+            synchronize([device])
             records.append((stage.stage_index, kind_of(kwargs), mb, start, time.perf_counter()))
             return out
         return call
@@ -179,11 +184,14 @@ def rank_worker(rank: int, world_size: int, names: list[str], m: int, depth: int
     from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
     from course.collectives import watch_group
+    from course.devices import synchronize
+    from course.launch import device_for
 
+    device = device_for(rank)  # the CPU on gloo; its own GPU on NCCL
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(m * rows, width, generator=g, dtype=torch.float64)
-    y = torch.randn(m * rows, width, generator=g, dtype=torch.float64)
-    reference = build_model(depth, width)
+    x = torch.randn(m * rows, width, generator=g, dtype=torch.float64).to(device)
+    y = torch.randn(m * rows, width, generator=g, dtype=torch.float64).to(device)
+    reference = build_model(depth, width).to(device)
     torch.nn.functional.mse_loss(reference(x), y).backward()
     share = SavedBytes({q.untyped_storage().data_ptr() for q in reference.parameters()})
     with share.hooks():  # the unit: one micro-batch through a rank's share of the layers
@@ -196,12 +204,11 @@ def rank_worker(rank: int, world_size: int, names: list[str], m: int, depth: int
         n_stages = world_size * v
         mapping = generate_stage_to_rank_mapping(world_size, n_stages, style=style)
         mine = [s for s in range(n_stages) if mapping[s] == rank]
-        model, per = build_model(depth, width), 2 * depth // n_stages
+        model, per = build_model(depth, width).to(device), 2 * depth // n_stages
         parts = {s: model[s * per:(s + 1) * per] for s in mine}
         records: list = []
-        stages = [no_message_to_itself(record(PipelineStage(parts[s], s, n_stages,
-                                                            torch.device("cpu")), records))
-                  for s in mine]
+        stages = [no_message_to_itself(record(PipelineStage(parts[s], s, n_stages, device),
+                                              records, device)) for s in mine]
         cls = getattr(torch_schedules, cls_name)
         single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
         schedule = cls(stages[0] if single else stages, n_microbatches=m,
@@ -214,11 +221,13 @@ def rank_worker(rank: int, world_size: int, names: list[str], m: int, depth: int
             records.clear()
             counter, sends = SavedBytes({q.untyped_storage().data_ptr()
                                          for q in model.parameters()}), []
+            synchronize([device])
             dist.barrier()
             start = time.perf_counter()
             with counter.hooks(), watch_group(None, lambda op, *_: sends.append(op)
                                               if op == "SEND" else None):
                 schedule.step(*inputs, **target)
+            synchronize([device])
             took = time.perf_counter() - start
             if i >= max(1, warmup):
                 steps.append({"seconds": took, "records": list(records), "peak": counter.peak,
