@@ -64,7 +64,8 @@ test: install
 # lab's launch and work folder, folder grading's bookkeeping): they run on the pinned torch, in
 # both tiers. tests/test_torch_compat.py checks that every test file is in one list.
 TORCH_TESTS = test_a1_a2_hardening test_adversarial test_bench test_bench_a6 test_bench_a7 \
-	test_bench_a9 test_bench_memory test_bench_tp test_ddp_scripts test_expect_dtypes test_flight \
+	test_bench_a9 test_bench_memory test_bench_pp_schedules test_bench_tp test_ddp_scripts \
+	test_expect_dtypes test_flight \
 	test_gpu_check test_grader_a1 test_grader_a2 test_grader_a3 test_grader_a4 test_grader_a5 \
 	test_grader_a6 test_grader_a7 test_grader_a8 test_grader_a9 test_grader_a10 \
 	test_independent_solutions \

@@ -48,8 +48,8 @@ def test_the_command_lists_every_registered_benchmark():
     listed = [line.split()[0] for line in proc.stdout.splitlines()[1:] if line.startswith("  ") and
               not line.startswith("   ")]
     assert listed == list(bench.BENCHMARKS) == ["a2_ddp", "a4_sharding", "tp", "a6_context_parallel",
-                                             "a7_expert_parallel", "a9_resilience", "check-latency",
-                                             "grading"]
+                                             "a7_expert_parallel", "a9_resilience", "pp_schedules",
+                                             "check-latency", "grading"]
     assert "not in this copy" not in proc.stdout  # every module is in the instructor's copy
 
 

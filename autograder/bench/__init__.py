@@ -6,8 +6,8 @@
 
 :data:`BENCHMARKS` is the registry: a name, the module that holds the benchmark (a
 ``main(argv) -> int``, runnable alone as ``python -m autograder.bench.<module>`` too) and what
-it measures. Adding one (modules 6-9; ``a9_resilience`` is module 9's) is one module in this
-package and one line below.
+it measures. Adding one (modules 6-10; ``a9_resilience`` is module 9's, ``pp_schedules``
+module 10's) is one module in this package and one line below.
 Shared argument parsing, the machine header and plotting are in :mod:`.common`.
 
 This file stays light (no torch, no grader imports): the listing must work anywhere, and a
@@ -60,6 +60,10 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
               "A9 / lesson 17: torch.distributed.checkpoint save and load time and bytes per "
               "rank, sync vs async, 3 model sizes on 1, 2, 4 processes; kill-to-first-step "
               "restart time under torchrun"),
+    Benchmark("pp_schedules", "autograder.bench.pp_schedules",
+              "A10 / lesson 18: torch's pipeline schedules (GPipe, 1F1B, interleaved, zero "
+              "bubble, ZBV, DualPipeV) on 2 and 4 processes: step time, bubble and activation "
+              "memory predicted and measured, messages, gradients vs one process"),
     Benchmark("check-latency", "autograder.bench.check_latency",
               "how long check() takes in a kernel that imported torch, first and repeated, "
               "for A1 and A2, and a whole A1 grading, against `import torch` (needs solutions/)"),
