@@ -151,7 +151,9 @@ def write_doc(path: Path, text: str) -> None:
 
 def assignment(name: str) -> str:
     """An assignment's name, or a prefix of one name only (``a1`` for ``a1_data_parallel``)."""
-    matches = [a for a in ASSIGNMENTS if a == name] or [a for a in ASSIGNMENTS if a.startswith(name)]
+    matches = ([a for a in ASSIGNMENTS if a == name]
+               or [a for a in ASSIGNMENTS if a.startswith(name + "_")]    # a1 is not a10
+               or [a for a in ASSIGNMENTS if a.startswith(name)])
     if len(matches) != 1:
         raise ValueError(name)
     return matches[0]
