@@ -270,6 +270,50 @@ def processes_tagged(tag: str) -> list[int]:
     return found
 
 
+
+def grade_leaving_nothing(notebook, *extra, env, seconds: float, prefix: str,
+                          allowed: tuple[str, ...] = ()) -> dict:
+    """The report of grading ``notebook`` within ``seconds``, after which no process is left
+    behind and the grading's TMPDIR (every sandbox's and rank's temporary files) holds nothing
+    but the top-level entries whose names start with one of ``allowed`` (torch's own caches)."""
+    import shutil
+    import tempfile
+    import time
+    import uuid
+
+    tag = uuid.uuid4().hex
+    scratch = Path(tempfile.mkdtemp(prefix=prefix))  # short: the fork server's socket is in it
+    start = time.monotonic()
+    report = grade(notebook, *extra, timeout=400,
+                   env={**env, "AUTOGRADER_RUN_TAG": tag, "TMPDIR": str(scratch)})
+    took = time.monotonic() - start
+    print(report["stdout"])
+    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
+    assert took < seconds, f"grading took {took:.0f} s"
+    time.sleep(0.5)
+    left = processes_tagged(tag)
+    assert not left, f"processes left behind: {left}"
+    files = sorted(str(f.relative_to(scratch)) for f in scratch.rglob("*")
+                   if not f.relative_to(scratch).parts[0].startswith(allowed))
+    assert not files, f"files left behind: {files[:10]}"
+    shutil.rmtree(scratch)
+    return report
+
+
+def markdown_table(text: str, first: str) -> list[dict]:
+    """The markdown table of ``text`` whose header starts with ``| first |``, as dicts (a
+    benchmark's report): a separator row under the header, every row as wide as it."""
+    lines = text[text.index(f"\n| {first} |") + 1:].splitlines()
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break  # the table's end
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    assert set(rows[1]) <= {"---", "---:"}, rows[1]
+    assert all(len(row) == len(rows[0]) for row in rows), rows
+    return [dict(zip(rows[0], row)) for row in rows[2:]]
+
+
 # ---------------------------------------------------------------- many seeds, busy machine
 
 def pytest_addoption(parser):

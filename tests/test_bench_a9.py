@@ -16,23 +16,11 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, markdown_table
 
 from autograder.bench import a9_resilience as bench_a9
 
 MODULE = REPO / "autograder" / "bench" / "a9_resilience.py"
-
-
-def _table(text: str, first: str) -> list[dict]:
-    """The markdown table of ``text`` whose header starts with ``| first |``, as dicts."""
-    lines = text[text.index(f"\n| {first} |") + 1:].splitlines()
-    rows = []
-    for line in lines:
-        if not line.startswith("|"):
-            break  # the table's end
-        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
-    assert set(rows[1]) <= {"---", "---:"}, rows[1]
-    return [dict(zip(rows[0], row)) for row in rows[2:]]
 
 
 @pytest.mark.full
@@ -48,7 +36,7 @@ def test_bench_a9_saves_loads_and_restarts(tmp_path):
     saved = (tmp_path / "a9_resilience.md").read_text()
     assert saved.strip() in proc.stdout
 
-    rows = _table(saved, "width")
+    rows = markdown_table(saved, "width")
     assert [(r["width"], r["n"]) for r in rows] == [("64", "1"), ("64", "2")]
     assert list(rows[0]) == ["width", "params", "n", "MiB/rank", "state/rank", "save s",
                              "async blocked s", "async total s", "load s", "same"]
@@ -63,7 +51,7 @@ def test_bench_a9_saves_loads_and_restarts(tmp_path):
     # the state splits over the ranks: half each (64 rows in shards of 32; to the 0.01 MiB shown)
     assert abs(2 * float(rows[1]["state/rank"]) - float(rows[0]["state/rank"])) <= 0.02
 
-    restarts = _table(saved, "n")
+    restarts = markdown_table(saved, "n")
     assert [r["n"] for r in restarts] == ["1", "2"]
     assert list(restarts[0]) == ["n", "width", "resumed at step", "kill to first step s",
                                  "to new process", "to process group", "build + load",

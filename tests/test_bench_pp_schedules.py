@@ -20,25 +20,12 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, markdown_table
 
 from autograder.bench import pp_schedules as bench_pp
 from course import schedules as sch
 
 MODULE = REPO / "autograder" / "bench" / "pp_schedules.py"
-
-
-def _table(text: str, first: str) -> list[dict]:
-    """The markdown table of ``text`` whose header starts with ``| first |``, as dicts."""
-    lines = text[text.index(f"\n| {first} |") + 1:].splitlines()
-    rows = []
-    for line in lines:
-        if not line.startswith("|"):
-            break  # the table's end
-        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
-    assert set(rows[1]) <= {"---", "---:"}, rows[1]
-    assert all(len(row) == len(rows[0]) for row in rows), rows
-    return [dict(zip(rows[0], row)) for row in rows[2:]]
 
 
 @pytest.mark.full
@@ -54,7 +41,7 @@ def test_bench_pp_schedules_predicts_measures_and_skips(tmp_path):
     saved = (tmp_path / "pp_schedules.md").read_text()
     assert saved.strip() in proc.stdout
 
-    rows = _table(saved, "schedule")
+    rows = markdown_table(saved, "schedule")
     assert list(rows[0]) == bench_pp.HEAD
     assert [(r["schedule"], r["p"]) for r in rows] == [(name, p) for p in ("2", "4")
                                                        for name in bench_pp.SCHEDULES]

@@ -39,18 +39,14 @@ from __future__ import annotations
 
 import random
 import re
-import shutil
-import tempfile
 import time
-import uuid
-from pathlib import Path
 
 import nbformat
 import pytest
 
 from conftest import (REPO, assert_full_marks, assert_only_these_checks_fail,
                       assert_public_points_without_the_key, assert_stubs_score_zero, grade,
-                      grade_id, planted_copy, points_by_function, processes_tagged)
+                      grade_id, grade_leaving_nothing, planted_copy, points_by_function)
 
 from autograder.assignments.a10_pipeline_schedules import judging as J
 from autograder.assignments.a10_pipeline_schedules.spec import SPEC
@@ -112,29 +108,6 @@ REFUSES_ALL = {"run_schedule": ("    m = len(inputs)\n",
 #: torch.distributed.pipelining, as the grader does for torch's own lists, makes inductor's cache
 #: folder there.
 TORCH_LEFTOVERS = ("torchinductor_",)
-
-
-def _grade_leaving_nothing(notebook, *extra, env, seconds: float) -> dict:
-    """The report of grading ``notebook`` within ``seconds``, after which no process is left
-    behind and the grading's TMPDIR (every sandbox's and rank's temporary files) holds nothing
-    but torch's own cache folder (as tests/test_grader_a9.py's, which allows nothing)."""
-    tag = uuid.uuid4().hex
-    scratch = Path(tempfile.mkdtemp(prefix="a10-"))  # short: the fork server's socket is in it
-    start = time.monotonic()
-    report = grade(notebook, *extra, timeout=400,
-                   env={**env, "AUTOGRADER_RUN_TAG": tag, "TMPDIR": str(scratch)})
-    took = time.monotonic() - start
-    print(report["stdout"])
-    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    assert took < seconds, f"grading took {took:.0f} s"
-    time.sleep(0.5)
-    left = processes_tagged(tag)
-    assert not left, f"processes left behind: {left}"
-    files = sorted(str(f.relative_to(scratch)) for f in scratch.rglob("*")
-                   if not f.relative_to(scratch).parts[0].startswith(TORCH_LEFTOVERS))
-    assert not files, f"files left behind: {files[:10]}"
-    shutil.rmtree(scratch)
-    return report
 
 
 @pytest.mark.slow
@@ -203,9 +176,10 @@ def test_a_run_schedule_that_does_not_refuse_costs_one_timeout(offline_env, tmp_
     bad schedules; the first that deadlocks waits on gloo until the collective timeout (20 s),
     after which the group is broken and the later cases end at once. Only the refusal check
     fails (once, not once per bad schedule), and no process or file is left behind."""
-    report = _grade_leaving_nothing(planted_copy(SOURCE, tmp_path, "no_refusal", NO_REFUSAL),
+    report = grade_leaving_nothing(planted_copy(SOURCE, tmp_path, "no_refusal", NO_REFUSAL),
                                     "--speed", "skip", "--seed", "1", env=offline_env,
-                                    seconds=COLLECTIVE_TIMEOUT + GRADING_SECONDS)
+                                    seconds=COLLECTIVE_TIMEOUT + GRADING_SECONDS, prefix="a10-",
+                                   allowed=TORCH_LEFTOVERS)
     assert_only_these_checks_fail(report, {"run_schedule_refuses_bad_schedules_before_sending"},
                                   skipped_with_reason=SPEED)
     (refusal,) = [r for r in report["results"] if r["status"] == "failed"]
@@ -222,9 +196,10 @@ def test_a_last_stage_that_does_not_receive(offline_env, tmp_path):
     runs (the gradient and timeline checks share one); every check fails, each saying what
     went wrong: a send without its receive, and, in the refusal check, that the valid GPipe
     schedule after the bad ones (each refused) did not run. Nothing is left behind."""
-    report = _grade_leaving_nothing(planted_copy(SOURCE, tmp_path, "no_receive", NO_RECEIVE),
+    report = grade_leaving_nothing(planted_copy(SOURCE, tmp_path, "no_receive", NO_RECEIVE),
                                     "--only", "run_schedule", "--speed", "skip", env=offline_env,
-                                    seconds=3 * COLLECTIVE_TIMEOUT + GRADING_SECONDS)
+                                    seconds=3 * COLLECTIVE_TIMEOUT + GRADING_SECONDS,
+                                   prefix="a10-", allowed=TORCH_LEFTOVERS)
     assert points_by_function(report) == {"run_schedule": 0}, report["stdout"]
     results = {r["name"]: r for r in report["results"]}
     assert set(results) == RUN_SCHEDULE, report["stdout"]

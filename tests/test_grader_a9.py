@@ -37,17 +37,14 @@ full.
 from __future__ import annotations
 
 import json
-import tempfile
 import time
-import uuid
-from pathlib import Path
 
 import nbformat
 import pytest
 
 from conftest import (REPO, assert_full_marks, assert_only_these_checks_fail,
                       assert_public_points_without_the_key, assert_stubs_score_zero, grade,
-                      grade_id, planted_copy, points_by_function, processes_tagged)
+                      grade_id, grade_leaving_nothing, planted_copy, points_by_function)
 
 from autograder.assignments.a9_resilience import expected as E
 from autograder.assignments.a9_resilience import faults
@@ -216,28 +213,6 @@ def test_planted_bugs_lose_exactly_their_checks(offline_env, tmp_path):
         "train_resumable_matches_an_uninterrupted_run_on_one_world_size_bitwise"], failed
 
 
-def _grade_leaving_nothing(notebook, *extra, env, seconds: float) -> dict:
-    """The report of grading ``notebook`` within ``seconds``, after which no process and no
-    file is left behind (the grading's TMPDIR, where every sandbox and its checkpoints live,
-    ends empty)."""
-    tag = uuid.uuid4().hex
-    scratch = Path(tempfile.mkdtemp(prefix="a9-"))  # short: the fork server's socket is in it
-    start = time.monotonic()
-    report = grade(notebook, *extra, timeout=400,
-                   env={**env, "AUTOGRADER_RUN_TAG": tag, "TMPDIR": str(scratch)})
-    took = time.monotonic() - start
-    print(report["stdout"])
-    assert report["returncode"] == 0, report["stdout"] + report["stderr"]
-    assert took < seconds, f"grading took {took:.0f} s"
-    time.sleep(0.5)
-    left = processes_tagged(tag)
-    assert not left, f"processes left behind: {left}"
-    files = sorted(str(f.relative_to(scratch)) for f in scratch.rglob("*"))
-    assert not files, f"files left behind: {files[:10]}"
-    scratch.rmdir()
-    return report
-
-
 @pytest.mark.full
 @pytest.mark.slow
 def test_a_hang_a_deadlocked_restart_and_a_blocking_async_save(offline_env, tmp_path):
@@ -251,16 +226,16 @@ def test_a_hang_a_deadlocked_restart_and_a_blocking_async_save(offline_env, tmp_
     save that waits for its own writer (its correctness points kept, the speed point lost, or
     skipped with the reason where a save is too short to tell). diagnose and the checkpoint
     functions keep their points, and neither grading leaves a process or a file behind."""
-    report = _grade_leaving_nothing(planted_copy(SOURCE, tmp_path, "hang", HANG), "--only",
+    report = grade_leaving_nothing(planted_copy(SOURCE, tmp_path, "hang", HANG), "--only",
                                     "save_checkpoint,load_latest", env=offline_env,
-                                    seconds=15 + GRADING_SECONDS)
+                                    seconds=15 + GRADING_SECONDS, prefix="a9-")
     assert points_by_function(report) == {"load_latest": 0, "save_checkpoint": 0}, \
         report["stdout"]
     assert all("timed out" in r["message"] for r in report["results"]), report["stdout"]
 
-    report = _grade_leaving_nothing(planted_copy(SOURCE, tmp_path, "deadlock", DEADLOCK,
+    report = grade_leaving_nothing(planted_copy(SOURCE, tmp_path, "deadlock", DEADLOCK,
                                                  BLOCKING_BUG), env=offline_env,
-                                    seconds=60 + 2 * GRADING_SECONDS)
+                                    seconds=60 + 2 * GRADING_SECONDS, prefix="a9-")
     results = {r["name"]: r for r in report["results"]}
     speed = results.pop("async_save_returns_before_the_save_is_written")
     assert speed["status"] == "failed" or "too short to tell" in speed["message"], speed
