@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import statistics
 import time
 
@@ -42,6 +43,14 @@ def timed(call, probe, *args) -> float:
     start = time.perf_counter()
     call(probe, *args)
     return time.perf_counter() - start
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (what its ranks share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def median(times: list[float]) -> float:

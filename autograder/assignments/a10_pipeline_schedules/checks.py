@@ -18,7 +18,8 @@ import torch
 from autograder.checking.expect import assert_close, fresh_generator, tensor
 from autograder.checking.harness import skip_unless
 from autograder.checking.ranks import probe_server_run
-from autograder.checking.speed import against_trusted_baseline, check_work_done, timed, timed_rounds
+from autograder.checking.speed import (against_trusted_baseline, check_work_done, timed,
+                                       timed_rounds, usable_cores)
 from course import schedules
 
 from . import judging as J
@@ -352,8 +353,6 @@ def pipe_over_base(i, student_call, reference_call):
 
 @graded
 def test_run_schedule_speedup_two_cpu_processes(student):
-    from autograder.assignments.a3_model_pipeline.checks import usable_cores
-
     cores = usable_cores()
     skip_unless(cores >= 2, f"timing run_schedule needs 2 free CPU cores; this machine gives the "
                             f"grader {cores}: not graded here")

@@ -24,7 +24,6 @@ code cannot slow it to inflate its own speedup.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -33,7 +32,7 @@ from autograder.checking.expect import (assert_close, assert_close_float32, fres
 from autograder.checking.harness import skip_unless
 from autograder.checking.ranks import probe_server_run
 from autograder.checking.speed import (against_trusted_baseline, check_work_done, timed,
-                                       timed_rounds)
+                                       timed_rounds, usable_cores)
 from course import FULL_RUN
 from course.devices import gpu_count
 
@@ -50,7 +49,7 @@ ASSIGNMENT = SPEC.assignment
 def can_show_speedup() -> tuple[bool, str]:
     """Two processes can only be faster than one with a core (or a GPU) each."""
     gpus = gpu_count()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     return gpus >= 2 or cores >= 2, (
         f"needs 2 GPUs or 2 CPU cores, this machine gives the grader {gpus} GPU(s) and {cores} "
         "core(s): two processes would take turns on one core")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 
 import pytest
 import torch
@@ -27,7 +26,8 @@ from autograder.checking.expect import (assert_close_float32, devices_for, fresh
 from autograder.checking.harness import skip_unless
 from autograder.checking.ranks import probe_server_run, probe_server_start, probe_server_stop
 from autograder.checking.speed import (CountingCalls, against_trusted_baseline, judge_rounds,
-                                       median, reference_sandbox, timed, timed_calls)
+                                       median, reference_sandbox, timed, timed_calls,
+                                       usable_cores)
 from course.devices import gpu_count
 
 from .expected import (check_returned, check_stages, check_timed_run, expected_forward,
@@ -348,13 +348,6 @@ def base_over_pipe(i, student_call, reference_call):
     return against_trusted_baseline(
         i, lambda call: timed(call, probe_server_run, "a3-cpu", "base"),
         lambda call: timed(call, probe_server_run, "a3-cpu", "pipe"), student_call, reference_call)
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 @graded

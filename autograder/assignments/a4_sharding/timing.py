@@ -14,13 +14,12 @@ every step the grader asked for, the last with the right gradients.
 """
 from __future__ import annotations
 
-import os
 
 from autograder.checking.expect import assert_close, fresh_generator, sequence, tensor
 from autograder.checking.harness import skip_unless
 from autograder.checking.ranks import probe_server_run
 from autograder.checking.speed import (against_trusted_baseline, check_work_done, timed,
-                                       timed_rounds)
+                                       timed_rounds, usable_cores)
 
 from . import expected
 from .ddp_ranks import ddp_server
@@ -51,7 +50,7 @@ def judge_step_time(student) -> None:
     """Pass, fail or SKIP the student's step time against the reference's; the timed ranks'
     gradients must equal the full-batch gradient in one process (a speed counts only for
     correct code)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     skip_unless(cores >= 2, "the timed step runs on 2 processes, which need 2 or more CPU cores "
                             f"to run at once; this machine gives the grader {cores}")
     _, seed = fresh_generator()
