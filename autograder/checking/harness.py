@@ -134,6 +134,7 @@ class _Collector:
         self.only = only
         self.measure_speed = measure_speed
         self.results: list[CheckResult] = []
+        self.collect_errors: list[str] = []
         self._checks: dict[str, Check] = {}
 
     @pytest.fixture(scope="session")
@@ -152,6 +153,10 @@ class _Collector:
 
     def pytest_configure(self, config):
         config.addinivalue_line("markers", "graded(check): a graded check")
+
+    def pytest_collectreport(self, report):
+        if report.failed:  # the checks module did not import: a grader bug, never a 0 / 0
+            self.collect_errors.append(str(report.longrepr)[-3000:])
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, items):
@@ -242,6 +247,9 @@ def run_checks(assignment: str, cells: list[tuple[str, str]], *, objects: bytes 
         pytest.main(args, plugins=[collector])
     finally:
         student.sandbox.close()
+    if collector.collect_errors:
+        raise RuntimeError(f"the grader's checks of {assignment} could not be loaded (a bug in "
+                           "the grader, not in the submission):\n" + "\n".join(collector.collect_errors))
     report = Report(assignment, hardware_summary(), isolation_summary(), seed,
                     collector.results, list(problems or []))
     for cell_id, err in student.sandbox.cell_errors.items():

@@ -25,6 +25,8 @@ import os
 import statistics
 import time
 
+from .capacity import FREE_FRACTION, Capacity
+
 #: The student passes at this fraction of the reference solution's speedup.
 FRACTION_OF_REFERENCE = 0.8
 #: A failure needs this much evidence (one-sided sign test).
@@ -109,24 +111,39 @@ def _sign_test_below(ratios: list[float], bar: float) -> float:
 
 
 def judge_rounds(one_round, *, what: str, fixed_threshold: float, reference_minimum: float,
-                 has_reference: bool, min_rounds: int = 3, max_rounds: int = 15) -> None:
+                 has_reference: bool, processes: int | None = None, min_rounds: int = 3,
+                 max_rounds: int = 15) -> None:
     """Pass, fail (AssertionError) or skip a speedup from paired rounds.
 
     ``one_round(i)`` returns ``(student speedup, reference speedup or None)`` from one round
     (it alternates who goes first by ``i``). With the reference, the student needs
     :data:`FRACTION_OF_REFERENCE` of it, and the reference needs ``reference_minimum`` (else
-    SKIP); without it (the student edition), the student needs ``fixed_threshold``.
+    SKIP); without it (the student edition), the student needs ``fixed_threshold``, judged
+    only where the machine gives the ``processes`` CPU processes timed their cores (each round
+    also measures :class:`~.capacity.Capacity`; below :data:`~.capacity.FREE_FRACTION` of them,
+    SKIP). ``processes`` is None for checks timed on GPUs.
     ``min_rounds`` is few on purpose: a pass needs only the median, and a failure needs at least
     seven rounds whatever it is (a sign test at 1% cannot reject on fewer).
     """
-    from .harness import skip_unless
+    capacity = Capacity(processes) if processes and not has_reference else None
+    with capacity or contextlib.nullcontext():
+        mine, ref, free = _rounds(one_round, capacity, fixed_threshold, reference_minimum,
+                                  has_reference, min_rounds, max_rounds)
+    _verdict(mine, ref, free, capacity, what, fixed_threshold, reference_minimum, has_reference)
 
-    mine, ref = [], []
+
+def _rounds(one_round, capacity, fixed_threshold, reference_minimum, has_reference,
+            min_rounds, max_rounds) -> tuple[list[float], list[float], list[float]]:
+    """Take rounds until they can tell (see :func:`judge_rounds`): the student's speedups, the
+    reference's, and the machine's capacity in each round (where it is measured)."""
+    mine, ref, free = [], [], []
     while True:
         s, r = one_round(len(mine))
         mine.append(s)
         if has_reference:
             ref.append(r)
+        if capacity is not None:
+            free.append(capacity.measure())
         if len(mine) < min_rounds:
             continue
         ratios = ([a / b for a, b in zip(mine, ref)] if has_reference
@@ -134,12 +151,23 @@ def judge_rounds(one_round, *, what: str, fixed_threshold: float, reference_mini
         bar = FRACTION_OF_REFERENCE if has_reference else 1.0
         if len(mine) >= max_rounds:
             break
-        if has_reference and median(ref) < reference_minimum:
+        if (has_reference and median(ref) < reference_minimum) or \
+                (free and not capacity.enough(median(free))):
             if len(mine) >= 2 * min_rounds:  # a second look, then SKIP: the hardware cannot
                 break                        # show the speedup in this run
             continue
         if median(ratios) >= bar or _sign_test_below(ratios, bar) < SIGNIFICANCE:
             break
+    return mine, ref, free
+
+
+def _verdict(mine, ref, free, capacity, what, fixed_threshold, reference_minimum,
+             has_reference) -> None:
+    """Pass (print), fail (AssertionError) or SKIP the rounds :func:`_rounds` took."""
+    from .harness import skip_unless
+
+    ratios = ([a / b for a, b in zip(mine, ref)] if has_reference
+              else [a / fixed_threshold for a in mine])
     rounds = f"median of {len(mine)} interleaved rounds"
     if has_reference:
         skip_unless(median(ref) >= reference_minimum,
@@ -156,6 +184,15 @@ def judge_rounds(one_round, *, what: str, fixed_threshold: float, reference_mini
             f"of {len(mine)} rounds")
         print(f"{what}: {median(mine):.2f}x (reference {median(ref):.2f}x; {rounds})")
     else:
+        if capacity is not None:
+            skip_unless(capacity.enough(median(free)), (
+                f"{what}: the timed code is correct (your speedup {median(mine):.2f}x), but "
+                f"this machine gave the {capacity.processes} timed processes only "
+                f"{median(free):.2f} cores' worth of CPU ({rounds}, measured by the grader; "
+                f"{FREE_FRACTION * capacity.processes:.1f} are needed: other programs are "
+                "using the cores). This student edition has no reference solution to compare "
+                "with on a busy machine, so the speedup is not judged here; run the check "
+                "again with the machine otherwise idle"))
         p = _sign_test_below(ratios, 1.0)
         assert median(mine) >= fixed_threshold or p >= SIGNIFICANCE, (
             f"{what}: your speedup is {median(mine):.2f}x ({rounds}); this student edition has "

@@ -46,8 +46,10 @@ graded = SPEC.graded
 ASSIGNMENT = SPEC.assignment
 #: Below this, even the reference shows no speedup on this machine in this run: SKIP.
 MIN_REFERENCE_SPEEDUP = 1.1
-#: The student edition's bar (it has no reference to compare with).
-FIXED_THRESHOLD = 1.2
+#: The bars without a reference to compare with (the student edition): on 2 GPUs, and on 2 CPU
+#: processes (80% of the reference's 1.3x to 1.4x on an idle 2-core machine), judged there only
+#: where the grader measures 1.8 free cores (speed.judge_rounds); both stated in the text.
+FIXED_THRESHOLD_GPU, FIXED_THRESHOLD_CPU = 1.2, 1.05
 
 
 # ---------------------------------------------------------------------------- split_into_stages
@@ -333,7 +335,7 @@ def test_pipelined_forward_speedup_two_gpus(student):
         judge_rounds(lambda i: against_trusted_baseline(i, seconds("plain"), seconds("pipelined"),
                                                         student.call, reference),
                      what=f"pipelined_forward ({GPU_MICROBATCHES} micro-batches) vs the plain "
-                          "split on 2 GPUs", fixed_threshold=FIXED_THRESHOLD,
+                          "split on 2 GPUs", fixed_threshold=FIXED_THRESHOLD_GPU,
                      reference_minimum=MIN_REFERENCE_SPEEDUP, has_reference=reference is not None)
 
 
@@ -374,9 +376,9 @@ def test_pipeline_train_step_speedup_two_cpu_processes(student):
                 call(probe_server_run, "a3-cpu", "base")
             try:
                 judge_rounds(lambda i: base_over_pipe(i, student_call, reference),
-                             what=what, fixed_threshold=FIXED_THRESHOLD,
+                             what=what, fixed_threshold=FIXED_THRESHOLD_CPU,
                              reference_minimum=MIN_REFERENCE_SPEEDUP,
-                             has_reference=reference is not None)
+                             has_reference=reference is not None, processes=2)
             except pytest.skip.Exception as exc:  # skipped only once the timed code is right
                 verdict = exc
             final = student.call(probe_server_stop, "a3-cpu")

@@ -81,4 +81,4 @@ def judge_step_time(student) -> None:
                       f"parameters in {SPEED_BUCKETS} buckets, 2 CPU processes), as a speedup "
                       "over one all-reduce per parameter",
                  fixed_threshold=FIXED_THRESHOLD, reference_minimum=REFERENCE_MINIMUM,
-                 max_rounds=9)
+                 processes=2, max_rounds=9)
