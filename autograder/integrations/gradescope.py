@@ -18,8 +18,10 @@ upload"). It holds:
   Gradescope's servers, which students never see, and graded code runs as the unprivileged
   ``grader`` user, who cannot read it. Not the reference notebook, unless ``--with-reference``: then
   speedup checks compare with the reference, measured in a sandbox of its own that never runs
-  student code (Gradescope's machines have no GPUs, so those are skipped with the reason either
-  way). Functions are graded with the student's own helpers either way.
+  student code; without it, they ask the texts' fixed thresholds, where the grader measures
+  free cores (autograder/checking/capacity.py). Gradescope's machines have no GPUs, so the GPU
+  checks are skipped with the reason either way. Functions are graded with the student's own
+  helpers either way.
 
 ``python -m autograder gradescope run`` is what ``run_autograder`` calls.
 """
