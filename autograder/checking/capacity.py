@@ -6,8 +6,8 @@ With the reference, a busy machine shows up as the reference's own speedup falli
 the check is skipped (:func:`~.speed.judge_rounds`). Without it, a fixed threshold alone would
 fail correct code whenever other programs take the cores. So, after each timed round, the grader
 measures the machine itself: ``n`` worker processes of its own (trusted code, a pure-Python
-loop: no torch, no student code) spin together for :data:`SPIN_SECONDS` of wall time, and each
-reports the CPU time it got. Their sum over the wall time is the machine's *capacity*: about
+loop: no torch, no student code) spin together until a common end :data:`SPIN_SECONDS` away,
+and each reports the CPU time it got. Their sum over that time is the machine's *capacity*: about
 ``n`` where ``n`` cores are free, ``2 n / (n + b)`` on ``n`` cores where ``b`` other processes
 spin. CPU time, not speed, is what is counted, so a slow or throttled core does not lower it.
 
@@ -15,7 +15,8 @@ Student code cannot raise it: its processes can only take cores away, which lowe
 low capacity makes the check a SKIP, which earns nothing.
 
 Measured on this project's 2-core machine, 9 rounds each (median; ``b`` processes spinning
-beside the 2 workers): b = 0: 2.00, 1: 1.46, 2: 1.00, 3: 0.87, 4: 0.69.
+beside the 2 workers): b = 0: 2.00, 1: 1.48, 2: 1.04, 3: 0.88, 4: 0.71; both workers pinned
+to one core: 1.00.
 """
 from __future__ import annotations
 
@@ -30,14 +31,16 @@ FREE_FRACTION = 0.9
 #: How long the workers spin in each measurement (wall seconds).
 SPIN_SECONDS = 0.05
 
+#: A worker spins until the common end the grader sends (CLOCK_MONOTONIC, one clock for every
+#: process) and answers the CPU time it got: a worker that starts late gets less, so workers run
+#: one after the other (one core) count as one core, not as two.
 _WORKER = """\
 import sys, time
 for line in sys.stdin:
-    wall = float(line)
-    t0, c0 = time.perf_counter(), time.process_time()
-    while time.perf_counter() - t0 < wall:
+    end, c0 = float(line), time.process_time()
+    while time.monotonic() < end:
         pass
-    sys.stdout.write("%r\\n" % ((time.process_time() - c0) / (time.perf_counter() - t0)))
+    sys.stdout.write("%r\\n" % (time.process_time() - c0))
     sys.stdout.flush()
 """
 
@@ -75,8 +78,13 @@ class Capacity:
                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                               stderr=subprocess.DEVNULL, text=True, bufsize=1)
                              for _ in range(self.processes)]
+            self._spin()  # untimed: the workers' start-up is not the machine's business
+        return self._spin()
+
+    def _spin(self) -> float:
+        end = time.monotonic() + SPIN_SECONDS
         for w in self._workers:
-            w.stdin.write(f"{SPIN_SECONDS}\n")
+            w.stdin.write(f"{end!r}\n")
             w.stdin.flush()
         deadline, total = time.monotonic() + self.timeout, 0.0
         for w in self._workers:
@@ -86,7 +94,7 @@ class Capacity:
                 raise RuntimeError(f"the grader's capacity workers did not answer within "
                                    f"{self.timeout:.0f} s (a grader bug)")
             total += float(line)
-        return total
+        return total / SPIN_SECONDS
 
     def enough(self, capacity: float) -> bool:
         """Whether ``capacity`` is enough to judge a speedup on ``processes`` processes."""
