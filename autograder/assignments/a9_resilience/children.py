@@ -8,6 +8,7 @@ import os
 import select
 import signal
 import time
+import types
 
 def error_text(exc) -> str:
     """An exception as one short line: its type and message."""
@@ -36,17 +37,35 @@ def _identity(fd):
     return st.st_dev, st.st_ino, st.st_size
 
 
-def wrap_calls(targets, wrap):
+def genuine(name):
+    """os's own ``fsync`` or ``fdatasync`` (``name``: "os.fsync"): the posix module's builtin,
+    whatever the submission put on ``os``. A flush cannot be seen in what it leaves behind, so
+    the hooks call this one: a submission that replaced ``os.fsync`` by a function that does
+    nothing still flushes for real under the hooks (and gains nothing)."""
+    import posix
+
+    attr = name.rpartition(".")[2]
+    function = getattr(posix, attr, None)
+    if not (type(function) is types.BuiltinFunctionType and function.__self__ is posix
+            and function.__name__ == attr):
+        raise RuntimeError(f"posix.{attr} was replaced before the save (by the submission?): "
+                           f"the grader cannot observe its flushes")
+    return function
+
+
+def wrap_calls(targets, wrap, genuine_ones=()):
     """Replace each ``(module name, attribute)`` of ``targets`` by ``wrap(original,
-    "module.attribute")``; returns the undo (which puts the originals back)."""
+    "module.attribute")``, where the original of a name in ``genuine_ones`` is
+    :func:`genuine`'s; returns the undo (which puts back what was there)."""
     import importlib
 
     saved = []
     for module_name, attr in targets:
         module = importlib.import_module(module_name)
+        name = f"{module_name}.{attr}"
         original = getattr(module, attr)
         saved.append((module, attr, original))
-        setattr(module, attr, wrap(original, f"{module_name}.{attr}"))
+        setattr(module, attr, wrap(genuine(name) if name in genuine_ones else original, name))
 
     def undo():
         for module, attr, original in reversed(saved):
@@ -58,7 +77,8 @@ def install_hooks(plan, report, synced=None):
     """Wrap the file-system functions of :data:`HOOKED`: each call is an event; ``plan`` =
     (k, "before" | "after") kills this process at the k-th event (after: once it returned or
     raised); ``report(name)`` notes it; ``synced(dev, ino, size)`` notes each flush of
-    :data:`SYNCS` that returned (the file's identity and its size at the call)."""
+    :data:`SYNCS` that returned (the file's identity and its size at the call): posix's own
+    flush (:func:`genuine`), never what the submission may have put in its place."""
     count = [0]
 
     def wrap(original, name):
@@ -78,7 +98,7 @@ def install_hooks(plan, report, synced=None):
                 synced(*flushed)
             return result
         return hooked
-    wrap_calls(HOOKED, wrap)
+    wrap_calls(HOOKED, wrap, genuine_ones=SYNCS)
 
 
 def run_child(body, on_go=None, timeout=CHILD_TIMEOUT):
