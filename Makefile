@@ -74,10 +74,10 @@ TORCH_TESTS = test_a1_a2_hardening test_adversarial test_bench test_bench_a6 tes
 	test_reference_seeds test_sandbox_attacks test_sandbox_policy test_schedules \
 	test_skips_earn_nothing test_slurm_real test_timed_work test_toolkit test_torch_compat \
 	test_warm_checks test_wheelhouse
-TORCH_INDEPENDENT_TESTS = test_a9_genuine_flush test_answer_keys test_assignment_texts test_batch_grading test_browser \
-	test_compose_config test_docker test_docker_driver test_docker_hosts test_edition \
-	test_grader_layout test_gradescope test_lab_launch test_release_in_sync test_speed_judging \
-	test_student_work
+TORCH_INDEPENDENT_TESTS = test_a9_genuine_flush test_answer_keys test_assignment_texts \
+	test_batch_grading test_browser test_compose_config test_docker test_docker_driver \
+	test_docker_hosts test_edition test_grader_layout test_gradescope test_lab_launch \
+	test_release_in_sync test_speed_judging test_student_work
 test-torch: install
 	$(PY) -m pytest -m "not full" $(patsubst %,tests/%.py,$(TORCH_TESTS)) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
