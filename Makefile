@@ -67,7 +67,7 @@ TORCH_TESTS = test_a1_a2_hardening test_adversarial test_bench test_bench_a6 tes
 	test_bench_a9 test_bench_memory test_bench_pp_schedules test_bench_tp test_ddp_scripts \
 	test_expect_dtypes test_flight \
 	test_gpu_check test_grader_a1 test_grader_a2 test_grader_a3 test_grader_a4 test_grader_a5 \
-	test_grader_a6 test_grader_a7 test_grader_a8 test_grader_a9 test_grader_a10 \
+	test_grader_a6 test_grader_a7 test_grader_a8 test_grader_a9 test_a9_parts test_grader_a10 \
 	test_independent_solutions \
 	test_instructor_flow test_lessons test_loading_fidelity test_loose_comparisons \
 	test_messages_in_place test_nbgrader_bridge test_no_reference_in_sandbox test_planning_ep \
