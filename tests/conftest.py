@@ -317,8 +317,8 @@ def markdown_table(text: str, first: str) -> list[dict]:
 # ---------------------------------------------------------------- many seeds, busy machine
 
 def pytest_addoption(parser):
-    parser.addoption("--seeds", type=int, default=3,
-                     help="seeds per assignment in test_reference_seeds.py (default 3, new "
+    parser.addoption("--seeds", type=int, default=2,
+                     help="seeds per assignment in test_reference_seeds.py (default 2, new "
                           "ones every run; --seeds 50 for a long run)")
 
 

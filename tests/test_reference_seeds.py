@@ -4,7 +4,9 @@ how many (2 in the default suite, about 2.5 minutes a seed for all the assignmen
 ``--seeds 50`` for a long run), the seeds at which a reference once lost points
 (:data:`ONCE_LOST`) among them, and at least one new seed each run.
 
-Why 2 and not more in the full tier (3 until module 9 came in, 5 before module 8): it grades every reference that many times on busy cores,
+Why 2 and not more in the full tier (3 with modules 8 and 9 once the warm path paid for it, 2
+when module 9 came in, 5 before module 8; 2 again with module 10, which took CI's full tier to
+33 minutes): it grades every reference that many times on busy cores,
 the suite's largest part; a run draws new seeds each time, so CI's runs add up, and each new
 assignment lands with a long run of 50 seeds (docs/testing.md).
 
@@ -13,7 +15,7 @@ SKIP (the reference cannot show a speedup either). They are graded in full, on a
 by each assignment's full-marks test; their fairness under noise comes from paired rounds and a
 sign test (autograder/checking/speed.py), tested there.
 
-Tier: full: 3 seeds of every reference on busy cores (the suite's largest part).
+Tier: full: 2 seeds of every reference on busy cores (the suite's largest part).
 """
 from __future__ import annotations
 
