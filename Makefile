@@ -77,7 +77,7 @@ TORCH_TESTS = test_a1_a2_hardening test_adversarial test_bench test_bench_a6 tes
 TORCH_INDEPENDENT_TESTS = test_a9_genuine_flush test_answer_keys test_assignment_texts \
 	test_batch_grading test_browser test_compose_config test_docker test_docker_driver \
 	test_docker_hosts test_edition test_grader_layout test_gradescope test_lab_launch \
-	test_release_in_sync test_speed_judging test_student_work
+	test_release_in_sync test_speed_judging test_student_work test_cli_only
 test-torch: install
 	$(PY) -m pytest -m "not full" $(patsubst %,tests/%.py,$(TORCH_TESTS)) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 

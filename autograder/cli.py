@@ -1,6 +1,6 @@
 """``python -m autograder``: the grader's commands.
 
-- ``grade NOTEBOOK [--assignment A] [--only F,G] [--seed N] [--speed skip] [--json
+- ``grade NOTEBOOK [--assignment A] [--only F,CHECK] [--seed N] [--speed skip] [--json
   results.json] [--report report.json]``: grade one submission. The flow a newcomer can follow:
   :func:`autograder.submission.load_submission` (trusted notebook + the student's answer cells)
   -> :func:`autograder.checking.harness.run_checks` (pytest, the student code in a sandboxed
@@ -41,8 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("pickle")
     k.add_argument("--assignment", required=True)
     for cmd in (g, k):
-        cmd.add_argument("--only", metavar="FUNCTIONS",
-                         help="grade only the checks of these functions (comma-separated)")
+        cmd.add_argument("--only", metavar="NAMES",
+                         help="grade only the checks of these functions, or these checks "
+                              "(comma-separated names)")
         cmd.add_argument("--seed", type=int, help="the inputs' seed (a report prints its own)")
         cmd.add_argument("--report", metavar="PATH", help="write the full report as JSON here")
         cmd.add_argument("--progress", metavar="PATH",
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             if (why := reference_exposed()) is not None:
                 raise SubmissionError(f"grading refused: {why}")
             sub = load_submission(args.notebook, args.assignment)
+            if (why := _only_error(sub.assignment, args.only)) is not None:
+                raise SubmissionError(why)
         except SubmissionError as exc:
             print(f"Cannot grade {args.notebook}: {exc}\nScore: 0")
             if args.json:
@@ -106,6 +109,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         write_json(args.report, report.to_dict())
     return 0
+
+
+def _only_error(assignment: str, only: str | None) -> str | None:
+    """What is wrong with ``--only``: a name that is neither a function nor a check of the
+    assignment (it would grade nothing, silently), or None."""
+    if not only:
+        return None
+    from .checking.spec import load_spec
+
+    checks = load_spec(assignment).checks
+    unknown = sorted({n.strip() for n in only.split(",") if n.strip()}
+                     - {c.function for c in checks} - {c.name for c in checks})
+    if not unknown:
+        return None
+    return (f"--only names no function or check of {assignment}: {', '.join(unknown)} (its "
+            f"functions: {', '.join(dict.fromkeys(c.function for c in checks))})")
 
 
 def _progress_writer(path: str | None):

@@ -163,7 +163,8 @@ class _Collector:
         keep = []
         for item in items:
             mark = item.get_closest_marker("graded")
-            if mark is None or (self.only and mark.kwargs["check"].function not in self.only):
+            if mark is None or (self.only and mark.kwargs["check"].function not in self.only
+                                and mark.kwargs["check"].name not in self.only):
                 continue
             self._checks[item.nodeid] = mark.kwargs["check"]
             item.fixturenames.insert(0, "_begin_check")
@@ -212,7 +213,7 @@ def run_checks(assignment: str, cells: list[tuple[str, str]], *, objects: bytes 
                only: str | None = None, problems: list[str] | None = None,
                seed: int | None = None, measure_speed: bool = True, progress=None) -> Report:
     """Grade ``cells`` (and/or pickled ``objects``) with the checks of ``assignment``; ``only``
-    names functions (``"f"`` or ``"f,g"``); ``seed`` repeats a run's inputs; without
+    names functions or checks (``"f"`` or ``"f,check_name"``); ``seed`` repeats a run's inputs; without
     ``measure_speed`` the speed checks SKIP unrun (timings on a shared machine mean nothing);
     ``progress(result)`` is called as each check ends (the report has them all)."""
     from ..registry import get
