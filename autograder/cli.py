@@ -116,11 +116,11 @@ def _only_error(assignment: str, only: str | None) -> str | None:
     assignment (it would grade nothing, silently), or None."""
     if not only:
         return None
+    from .checking.harness import only_names
     from .checking.spec import load_spec
 
     checks = load_spec(assignment).checks
-    unknown = sorted({n.strip() for n in only.split(",") if n.strip()}
-                     - {c.function for c in checks} - {c.name for c in checks})
+    unknown = sorted(only_names(only) - {c.function for c in checks} - {c.name for c in checks})
     if not unknown:
         return None
     return (f"--only names no function or check of {assignment}: {', '.join(unknown)} (its "

@@ -209,6 +209,11 @@ def _message(excinfo) -> str:
     return f"{excinfo.typename}: {exc}"[:800]
 
 
+def only_names(only: str | None) -> set[str]:
+    """The names of ``--only F,CHECK`` (functions or checks), blanks left out."""
+    return {n.strip() for n in (only or "").split(",") if n.strip()}
+
+
 def run_checks(assignment: str, cells: list[tuple[str, str]], *, objects: bytes | None = None,
                only: str | None = None, problems: list[str] | None = None,
                seed: int | None = None, measure_speed: bool = True, progress=None) -> Report:
@@ -231,7 +236,7 @@ def run_checks(assignment: str, cells: list[tuple[str, str]], *, objects: bytes 
     seed = set_run_seed(seed)
     calibration = timeouts.calibrated(assignment)
     student = Student(sandbox, calibration)
-    wanted = {f.strip() for f in only.split(",") if f.strip()} if only else None
+    wanted = only_names(only) or None
     key_present = has_key(assignment)
     collector = _Collector(student, wanted, measure_speed, key_present, progress)
     args = [str(path), "-p", "no:cacheprovider", "-p", "no:terminal", "-p", "no:randomly",

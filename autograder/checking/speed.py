@@ -132,6 +132,13 @@ def judge_rounds(one_round, *, what: str, fixed_threshold: float, reference_mini
     _verdict(mine, ref, free, capacity, what, fixed_threshold, reference_minimum, has_reference)
 
 
+def _ratios(mine, ref, fixed_threshold, has_reference) -> list[float]:
+    """Each round's speedup over the bar it is judged against: the reference's, or the fixed
+    threshold without one."""
+    return ([a / b for a, b in zip(mine, ref)] if has_reference
+            else [a / fixed_threshold for a in mine])
+
+
 def _rounds(one_round, capacity, fixed_threshold, reference_minimum, has_reference,
             min_rounds, max_rounds) -> tuple[list[float], list[float], list[float]]:
     """Take rounds until they can tell (see :func:`judge_rounds`): the student's speedups, the
@@ -146,8 +153,7 @@ def _rounds(one_round, capacity, fixed_threshold, reference_minimum, has_referen
             free.append(capacity.measure())
         if len(mine) < min_rounds:
             continue
-        ratios = ([a / b for a, b in zip(mine, ref)] if has_reference
-                  else [a / fixed_threshold for a in mine])
+        ratios = _ratios(mine, ref, fixed_threshold, has_reference)
         bar = FRACTION_OF_REFERENCE if has_reference else 1.0
         if len(mine) >= max_rounds:
             break
@@ -166,8 +172,7 @@ def _verdict(mine, ref, free, capacity, what, fixed_threshold, reference_minimum
     """Pass (print), fail (AssertionError) or SKIP the rounds :func:`_rounds` took."""
     from .harness import skip_unless
 
-    ratios = ([a / b for a, b in zip(mine, ref)] if has_reference
-              else [a / fixed_threshold for a in mine])
+    ratios = _ratios(mine, ref, fixed_threshold, has_reference)
     rounds = f"median of {len(mine)} interleaved rounds"
     if has_reference:
         skip_unless(median(ref) >= reference_minimum,
